@@ -1,0 +1,334 @@
+"""Read and write Hugging Face model folders (config.json + safetensors, sharded or not).
+
+Only safetensors is ever loaded: pickle checkpoints (`pytorch_model.bin`) can run code.
+Every header is parsed and checked here at open: safetensors' own errors name neither the
+file nor the tensor, and a truncated download should fail before any training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from titanite.errors import UserError, did_you_mean
+
+CONFIG_NAME = "config.json"
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+# safetensors dtype tag -> torch dtype name (names resolved lazily: older torch lacks some).
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+}
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    """The parsed `config.json` of a Hugging Face model folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"checkpoint folder {folder} does not exist or is not a folder")
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise UserError(f"checkpoint folder {folder} has no {CONFIG_NAME}")
+    return _read_json(path, "config")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} file {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{what} file {path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _read_header(path: Path) -> dict[str, dict]:
+    """Parse and check one safetensors header: {key: {"dtype", "shape", "data_offsets"}}.
+
+    Layout: 8-byte little-endian header length N, N bytes of JSON, then the data; offsets are
+    relative to the data start, so a complete file is exactly 8 + N + the largest end offset.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise UserError(f"file {path} is truncated: {size} bytes, too short for a header")
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            raise UserError(
+                f"file {path} is corrupt or truncated: header length {n} exceeds file size {size}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"file {path} has a corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise UserError(f"file {path} has a corrupt safetensors header: not a JSON object")
+    header.pop("__metadata__", None)
+    end = 0
+    for key, info in header.items():
+        _check_entry(path, key, info)
+        end = max(end, info["data_offsets"][1])
+    if size != 8 + n + end:
+        state = "truncated" if size < 8 + n + end else "corrupt"
+        raise UserError(f"file {path} is {state}: header promises {8 + n + end} bytes, "
+                        f"file has {size}")
+    return header
+
+
+def _check_entry(path: Path, key: str, info: object) -> None:
+    """One header entry is well formed and its byte span matches its shape and dtype."""
+    bad = f"file {path} has a corrupt header entry for tensor '{key}'"
+    if not (isinstance(info, dict) and isinstance(info.get("shape"), list)
+            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2):
+        raise UserError(f"{bad}: {info!r}")
+    start, stop = info["data_offsets"]
+    shape = info["shape"]
+    if not all(isinstance(v, int) and v >= 0 for v in [start, stop, *shape]) or start > stop:
+        raise UserError(f"{bad}: shape {shape}, data_offsets {info['data_offsets']}")
+    dtype = getattr(torch, _DTYPES.get(info.get("dtype"), ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UserError(f"{bad}: unsupported dtype {info.get('dtype')!r}")
+    nbytes = dtype.itemsize * torch.Size(shape).numel()
+    if nbytes != stop - start:
+        raise UserError(f"{bad}: shape {shape} of {info['dtype']} needs {nbytes} bytes, "
+                        f"data_offsets span {stop - start}")
+
+
+class HFReader:
+    """Tensors of a Hugging Face model folder, read one at a time.
+
+    Shards are opened lazily (memory-mapped by safetensors), so reading a model tensor by
+    tensor never holds more than one copy of it.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.config = read_hf_config(self.folder)
+        self._file: dict[str, Path] = {}          # tensor key -> file holding it
+        self._info: dict[str, dict] = {}          # tensor key -> its header entry
+        self._handles: dict[Path, object] = {}    # open safe_open handles
+        # Same precedence as transformers: a single file wins over an index.
+        if (self.folder / SINGLE_NAME).is_file():
+            self._add_files([self.folder / SINGLE_NAME])
+        elif (self.folder / INDEX_NAME).is_file():
+            self._add_index(self.folder / INDEX_NAME)
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise UserError(
+                    f"checkpoint folder {self.folder} has no {SINGLE_NAME}, {INDEX_NAME} or "
+                    "*.safetensors file (pickle checkpoints such as pytorch_model.bin are "
+                    "not loaded: convert them to safetensors)")
+            self._add_files(files)
+
+    def _add_files(self, files: list[Path]) -> None:
+        for path in files:
+            for key, info in _read_header(path).items():
+                if key in self._file:
+                    raise UserError(f"tensor '{key}' is in both {self._file[key]} and {path}")
+                self._file[key], self._info[key] = path, info
+
+    def _add_index(self, index_path: Path) -> None:
+        weight_map = _read_json(index_path, "index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"index file {index_path} has no 'weight_map' object")
+        headers: dict[str, dict] = {}
+        for key, shard in sorted(weight_map.items()):
+            path = self.folder / str(shard)
+            if shard not in headers:
+                if not path.is_file():
+                    raise UserError(f"index file {index_path} maps tensor '{key}' to shard "
+                                    f"{path}, which does not exist")
+                headers[shard] = _read_header(path)
+            if key not in headers[shard]:
+                raise UserError(f"index file {index_path} maps tensor '{key}' to shard {path}, "
+                                "which does not contain it")
+            self._file[key], self._info[key] = path, headers[shard][key]
+
+    def keys(self) -> list[str]:
+        """All tensor keys, sorted."""
+        return sorted(self._file)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._file
+
+    def _require(self, key: str) -> None:
+        if key not in self._file:
+            raise UserError(f"tensor '{key}' is not in checkpoint folder {self.folder}"
+                            + did_you_mean(key, self._file))
+
+    def file_of(self, key: str) -> Path:
+        """The safetensors file holding `key`."""
+        self._require(key)
+        return self._file[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Shape of `key` from the header; no data is read."""
+        self._require(key)
+        return tuple(self._info[key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        """Stored dtype of `key` from the header; no data is read."""
+        self._require(key)
+        return getattr(torch, _DTYPES[self._info[key]["dtype"]])
+
+    def check_shape(self, key: str, expected_shape: Iterable[int]) -> None:
+        """Raise a UserError naming tensor, file and both shapes unless they match."""
+        expected, found = tuple(expected_shape), self.shape(key)
+        if expected != found:
+            raise UserError(f"tensor '{key}' in {self._file[key]} has shape {list(found)}, "
+                            f"expected {list(expected)}")
+
+    def get(self, key: str, dtype: torch.dtype | None = None,
+            device: str | torch.device = "cpu") -> torch.Tensor:
+        """Load one tensor (stored shape; stored dtype unless `dtype` is given) onto `device`."""
+        path = self.file_of(key)
+        try:
+            if path not in self._handles:
+                self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            tensor = self._handles[path].get_tensor(key)
+        except SafetensorError as e:
+            raise UserError(f"cannot read tensor '{key}' from file {path}: {e}") from e
+        return tensor.to(device=device, dtype=dtype)
+
+    def close(self) -> None:
+        """Release the open shard handles (and their memory maps)."""
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> HFReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_hf_folder(out: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+                    max_shard_bytes: int = 5 * 10**9, extra_files: Iterable[Path] = (),
+                    generation_config: dict | None = None) -> Path:
+    """Write a Hugging Face model folder atomically and return its path.
+
+    `tensors` yields (key, tensor) once per key and is consumed shard by shard, so at most one
+    shard (`max_shard_bytes`, counted as numel * element size) is held at a time. Tensors keep
+    their dtype. The folder is built as a sibling `.tmp-<name>-<pid>` and renamed into place;
+    an existing `out` is replaced only once the new folder is complete and fsynced.
+    """
+    out = Path(out)
+    extra = [Path(p) for p in extra_files]
+    reserved = {CONFIG_NAME, INDEX_NAME, SINGLE_NAME, "generation_config.json"}
+    for path in extra:
+        if not path.is_file():
+            raise UserError(f"extra file {path} to copy into {out} does not exist")
+        if path.name in reserved or path.name.endswith(".safetensors"):
+            raise UserError(f"extra file {path} would overwrite the model file {path.name}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output path {out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    if tmp.exists():  # left by an earlier crash of a process with our pid
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        _write_contents(tmp, tensors, config, max_shard_bytes, extra, generation_config)
+        _fsync(*tmp.iterdir(), tmp)
+        _swap_in(tmp, out)
+    finally:
+        if tmp.exists():  # a failure before the swap: drop the half-written folder
+            shutil.rmtree(tmp)
+    return out
+
+
+def _write_contents(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+                    max_shard_bytes: int, extra: list[Path],
+                    generation_config: dict | None) -> None:
+    weight_map: dict[str, int] = {}    # key -> 0-based shard number
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = total_params = 0
+    storages: set[int] = set()         # storages already in this shard
+    n_shards = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, n_shards, storages
+        save_file(shard, str(tmp / f"shard-{n_shards}.part"), metadata={"format": "pt"})
+        shard, shard_bytes, storages, n_shards = {}, 0, set(), n_shards + 1
+
+    for key, tensor in tensors:
+        assert isinstance(key, str) and key not in weight_map, f"bad or repeated key {key!r}"
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+        # Tied weights share storage; safetensors refuses that within one file.
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in storages:
+            tensor = tensor.clone()
+        storages.add(ptr)
+        shard[key], weight_map[key] = tensor, n_shards
+        shard_bytes += nbytes
+        total_bytes += nbytes
+        total_params += tensor.numel()
+    if shard or n_shards == 0:
+        flush()
+
+    names = ([SINGLE_NAME] if n_shards == 1 else
+             [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)])
+    for i, name in enumerate(names):
+        os.replace(tmp / f"shard-{i}.part", tmp / name)
+    if n_shards > 1:
+        index = {"metadata": {"total_parameters": total_params, "total_size": total_bytes},
+                 "weight_map": {k: names[weight_map[k]] for k in sorted(weight_map)}}
+        _write_json(tmp / INDEX_NAME, index)
+    _write_json(tmp / CONFIG_NAME, config)
+    if generation_config is not None:
+        _write_json(tmp / "generation_config.json", generation_config)
+    for path in extra:
+        shutil.copyfile(path, tmp / path.name)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    # transformers writes its JSON files with indent 2, sorted keys and a final newline.
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync(*paths: Path) -> None:
+    """Flush files, or a folder's entry list, to disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`, replacing any old `out` only after it is aside."""
+    aside = out.parent / f".old-{out.name}-{os.getpid()}"
+    had_old = out.exists()
+    if had_old:
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(out, aside)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if had_old:  # put the previous folder back so `out` is never lost
+            os.rename(aside, out)
+        raise
+    _fsync(out.parent)
+    if had_old:
+        shutil.rmtree(aside)
+

@@ -1,0 +1,150 @@
+"""The stateful training loader: packed token windows served as per-rank batches.
+
+The token stream (see packing.py) is cut into non-overlapping windows of seq_len + 1 tokens;
+a window's first seq_len tokens are the input and its last seq_len the labels. Each epoch
+orders the windows (a seeded permutation, or sequentially) and serves them in global batches
+of G = batch_size * world_size windows; data-parallel rank r takes the r-th contiguous
+batch_size share of each. The position is kept in global batches, so a checkpoint taken on
+one world size resumes on another with the same global sample order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from titanite.config import DataConfig
+from titanite.data.packing import pack_documents
+from titanite.data.sources import describe_source
+from titanite.data.tokenizer import Tokenizer
+from titanite.errors import UserError
+
+log = logging.getLogger("titanite")
+
+_STATE_KEYS = ("epoch", "position", "global_batch_size", "num_windows", "num_tokens", "seq_len")
+
+
+class PackedLoader:
+    """Endless iterator of batches; epochs roll over by themselves.
+
+    Args:
+        cfg: the [data] config (source, tokenizer-independent settings, seq_len, shuffle).
+        tokenizer: from `load_tokenizer`; only `encode_batch` and `eos_id` are used.
+        batch_size: sequences per batch on this rank.
+        seed: shuffling seed (job.seed); epoch e uses a permutation seeded from (seed, e).
+        rank, world_size: this rank among the data-parallel ranks (not TP/EP ranks).
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        assert batch_size > 0 and 0 <= rank < world_size, (batch_size, rank, world_size)
+        self.seq_len = cfg.seq_len
+        self.shuffle = cfg.shuffle
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.global_batch_size = batch_size * world_size
+
+        tokens, self.stats = pack_documents(cfg, tokenizer)
+        width = cfg.seq_len + 1
+        self.num_tokens = len(tokens)
+        self.num_windows = self.num_tokens // width
+        # The incomplete tail is dropped; the view keeps the one int32 buffer.
+        self.windows = tokens[: self.num_windows * width].reshape(self.num_windows, width)
+        self.batches_per_epoch = self.num_windows // self.global_batch_size
+        if self.batches_per_epoch == 0:
+            need = width * self.global_batch_size
+            raise UserError(
+                f"{describe_source(cfg)} has {self.num_tokens} tokens, but one global batch needs "
+                f"{need}: (data.seq_len {cfg.seq_len} + 1) x {self.global_batch_size} sequences "
+                f"({batch_size} per rank x {world_size} ranks). Add data or lower data.seq_len "
+                "or training.batch_size")
+        log.info("data: %s; %d tokens -> %d sequences of %d tokens, %d global batches per epoch",
+                 self.stats.summary(), self.num_tokens, self.num_windows, cfg.seq_len,
+                 self.batches_per_epoch)
+
+        self.epoch = 0
+        self.position = 0  # global batches already served in this epoch
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+        # Every batch has the same positions: each window is one causal sequence.
+        self._position_ids = torch.arange(cfg.seq_len, dtype=torch.int64).expand(batch_size, -1)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's next batch: input_ids, labels, position_ids, each int64 CPU [B, S]."""
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        start = self.position * self.global_batch_size + self.rank * self.batch_size
+        idx = self._epoch_order()[start : start + self.batch_size]
+        window = torch.from_numpy(self.windows[idx]).to(torch.int64)  # [B, S + 1]
+        self.position += 1
+        return {
+            "input_ids": window[:, :-1].contiguous(),
+            "labels": window[:, 1:].contiguous(),
+            "position_ids": self._position_ids.clone(),
+        }
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return self.next_batch()
+
+    def _epoch_order(self) -> np.ndarray:
+        """Window indices for the current epoch, int64 [num_windows]; computed once per epoch."""
+        if self._order_epoch != self.epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
+                self._order = torch.randperm(self.num_windows, generator=g).numpy()
+            else:
+                self._order = np.arange(self.num_windows)
+            self._order_epoch = self.epoch
+        assert self._order is not None
+        return self._order
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain ints (JSON-able): where the global sample order stands, and what data it is over."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "global_batch_size": self.global_batch_size,
+            "num_windows": self.num_windows,
+            "num_tokens": self.num_tokens,
+            "seq_len": self.seq_len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` output, possibly saved under another world size.
+
+        Raises UserError when the data, seq_len or batch layout make the old position meaningless.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise UserError(f"checkpoint data-loader state lacks {missing}: not a PackedLoader state")
+        s = {k: int(state[k]) for k in _STATE_KEYS}
+        if s["seq_len"] != self.seq_len:
+            raise UserError(f"data.seq_len is {self.seq_len} but the checkpoint was trained with "
+                            f"{s['seq_len']}; resume with the same data.seq_len")
+        if (s["num_windows"], s["num_tokens"]) != (self.num_windows, self.num_tokens):
+            raise UserError(
+                f"the data changed since the checkpoint: it now packs into {self.num_windows} "
+                f"sequences ({self.num_tokens} tokens), the checkpoint had {s['num_windows']} "
+                f"({s['num_tokens']} tokens). Resume with the same data.path and tokenizer, or "
+                "start a new job.output_dir")
+        samples = s["position"] * s["global_batch_size"]
+        if samples % self.global_batch_size:
+            raise UserError(
+                f"cannot resume: the checkpoint is {samples} sequences into epoch {s['epoch']}, "
+                f"which is not a whole number of global batches of {self.global_batch_size} "
+                "(training.batch_size x data-parallel ranks); keep the global batch size a "
+                "divisor of that")
+        self.epoch = s["epoch"]
+        self.position = samples // self.global_batch_size
+        assert self.position <= self.batches_per_epoch, (self.position, self.batches_per_epoch)
+
+
+def _mix_seed(seed: int, epoch: int) -> int:
+    """One 64-bit generator seed per (seed, epoch); a golden-ratio multiply keeps pairs apart."""
+    return (seed * 0x9E3779B97F4A7C15 + epoch) % 2**64

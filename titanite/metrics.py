@@ -1,0 +1,98 @@
+"""Metrics: metrics.jsonl (one JSON object per logged step), console progress, TensorBoard.
+
+Only rank 0 writes. metrics.jsonl is appended to, so a resumed run continues the same file;
+rows at or past the resume step from an interrupted attempt are dropped first, so every step
+appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from titanite.config import MetricsConfig
+
+log = logging.getLogger("titanite")
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, cfg: MetricsConfig, total_steps: int, rank: int = 0) -> None:
+        self.cfg, self.total, self.rank = cfg, total_steps, rank
+        self.path = output_dir / "metrics.jsonl"
+        self.tb = None
+        mode = cfg.progress_bar
+        self.bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+        self.quiet = mode == "off"
+        self.started = time.perf_counter()
+        self.first_step: int | None = None
+        if rank == 0 and cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                from titanite.errors import UserError
+
+                raise UserError("metrics.tensorboard = true needs the tensorboard package "
+                                "(pip install tensorboard)") from None
+            self.tb = SummaryWriter(str(output_dir / "tb"))
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only rows with step <= `step` (the resume point) in metrics.jsonl."""
+        if self.rank != 0 or not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step == self.total or step % self.cfg.log_interval == 0
+
+    def log(self, row: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, row["step"])
+        if not self.quiet:
+            self._console(row)
+
+    def _console(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        if self.first_step is None:
+            self.first_step, self.started = step, time.perf_counter()
+        done = step - self.first_step
+        eta = ""
+        if done > 0:
+            remaining = (time.perf_counter() - self.started) / done * (self.total - step)
+            eta = f" eta {_duration(remaining)}"
+        text = (f"step {step}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+                f"gnorm {row['grad_norm']:.3f} {row['tokens_per_sec']:,.0f} tok/s "
+                f"mfu {100 * row['mfu']:.1f}% mem {row.get('mem_gib', 0):.1f}GiB{eta}")
+        if self.bar:
+            width = 24
+            filled = int(width * step / max(1, self.total))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\033[K")
+            if step == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            log.info(text)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"

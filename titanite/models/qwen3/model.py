@@ -1,0 +1,151 @@
+"""Native Qwen3: single-device, plain PyTorch. Parallelism is applied from outside.
+
+Shapes: B batch, S sequence, H hidden, Hq/Hk query/key-value heads, D head_dim, V vocab.
+Replaceable math (norms, RoPE, attention, SwiGLU) goes through `titanite.kernels.op`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titanite import kernels
+from titanite.models.qwen3.args import Qwen3Args
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernel = kernels.op("rms_norm")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions. `inv_freq` is a non-persistent buffer, recomputed by
+    `reset_parameters` after meta-device init (to_empty leaves it as garbage)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        return 1.0 / (self.theta ** exponent)
+
+    def reset_parameters(self) -> None:
+        # Reassigned, not copied into: it stays fp32 even after model.to(bfloat16).
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2], fp32
+        angles = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: Qwen3Args) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.wq = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        # Qwen3 normalises each head over head_dim, before RoPE.
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.rope = kernels.op("rope")
+        self.attend = kernels.op("attention")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        # Heads from the weights' sizes, so a tensor-parallel shard sees its local head count.
+        q = self.q_norm(self.wq(x).view(B, S, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, S, D]
+        k = self.k_norm(self.wk(x).view(B, S, -1, self.head_dim)).transpose(1, 2)  # [B, Hk, S, D]
+        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, Hk, S, D]
+        q, k = self.rope(q, k, cos, sin)
+        out = self.attend(q, k, v, self.head_dim ** -0.5)  # [B, Hq, S, D]
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x). w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.swiglu = kernels.op("swiglu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.swiglu(self.w1(x), self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, a: Qwen3Args, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.feed_forward = FeedForward(a.hidden_size, a.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Qwen3(nn.Module):
+    """Decoder-only Qwen3. With tied embeddings there is no `output` module: the head reuses
+    `tok_embeddings.weight`, so the tie can never be split (by to_empty, FSDP or a loader)."""
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> final normed hidden states [B, S, H]."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        h = self.tok_embeddings(input_ids)
+        cos, sin = self.rotary(position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> logits [B, S, V]."""
+        h = self.hidden_states(input_ids, position_ids)
+        return h @ self.head_weight().t() if self.output is None else self.output(h)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random init: normal(0, std) for matrices and embeddings, ones for norms. Seed first."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers; call after to_empty and after loading weights."""
+        self.rotary.reset_parameters()
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate a meta-device model on `device` (uninitialised) and recompute its buffers."""
+    model.to_empty(device=device)
+    model.init_buffers()

@@ -1,0 +1,85 @@
+"""ModelSpec: the one place a backend plugs in.
+
+A spec builds the model on the meta device, initialises or loads it, maps its state dict to the
+Hugging Face layout, parallelises it and counts its FLOPs. The trainer only talks to this
+interface, so adding a backend touches no trainer code.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanite.config import ModelConfig
+from titanite.errors import UserError, did_you_mean
+
+
+class ModelSpec(ABC):
+    name: str
+
+    @abstractmethod
+    def build(self, cfg: ModelConfig) -> nn.Module:
+        """The model on the meta device. Its `forward(input_ids, position_ids=None)` returns
+        logits [B, S, V]. The architecture comes from cfg.hf_path's config.json when set."""
+
+    @abstractmethod
+    def hf_config(self, model: nn.Module) -> dict[str, Any]:
+        """The config.json dict an HF export of this model carries."""
+
+    @abstractmethod
+    def init_weights(self, model: nn.Module, std: float) -> None:
+        """Random init of a materialised model (the caller seeds the RNG)."""
+
+    @abstractmethod
+    def init_buffers(self, model: nn.Module) -> None:
+        """Recompute non-persistent buffers (e.g. RoPE inv_freq) after materialising/loading."""
+
+    @abstractmethod
+    def load_hf(self, model: nn.Module, folder: str) -> None:
+        """Copy weights from a local HF folder into the materialised model. Errors name file and tensor."""
+
+    @abstractmethod
+    def hf_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, full tensor) pairs in the on-disk Hub layout, one at a time."""
+
+    @abstractmethod
+    def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, attention included."""
+
+    def parallelize(self, model: nn.Module, mesh: Any, cfg: Any) -> nn.Module:
+        """Apply parallelism from outside the model. Single-process default: nothing to do."""
+        return model
+
+    def num_params(self, model: nn.Module) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register_spec(spec: ModelSpec) -> ModelSpec:
+    assert spec.name not in _SPECS, f"spec {spec.name} registered twice"
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def get_spec(name: str) -> ModelSpec:
+    _load_builtin_specs()
+    if name not in _SPECS:
+        raise UserError(f"config key 'model.spec': unknown spec '{name}'{did_you_mean(name, _SPECS)}; "
+                        f"specs: {', '.join(sorted(_SPECS))}")
+    return _SPECS[name]
+
+
+def _load_builtin_specs() -> None:
+    # Imported lazily: each backend module registers itself on import.
+    import titanite.models.qwen3.spec  # noqa: F401
+    try:
+        import titanite.models.hf.spec  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "titanite.models.hf.spec":
+            raise

@@ -1,0 +1,15 @@
+"""`python -m titanite.train --config FILE [--section.key=value ...]` (also under torchrun)."""
+
+from __future__ import annotations
+
+import sys
+
+from titanite.cli import run_train
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_train(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The training loop: build -> (resume) -> step -> log -> checkpoint -> export.
+
+Backend-specific work goes through the ModelSpec; this file never asks which backend it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from titanite import device as devices
+from titanite.checkpoint import training_state
+from titanite.checkpoint.hf_weights import export_hf
+from titanite.config import Config, to_toml
+from titanite.data.loader import PackedLoader
+from titanite.data.tokenizer import load_tokenizer
+from titanite.errors import TrainingDiverged, UserError
+from titanite.metrics import MetricsLogger
+from titanite.models.spec import get_spec
+from titanite.optim import build_optimizer, lr_at, set_lr
+from titanite.parallel import distributed
+
+log = logging.getLogger("titanite")
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32. logits [B, S, V], labels [B, S] (IGNORE_INDEX skipped)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.job.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.device = devices.pick_device(cfg.job.device)
+        self.world = distributed.init(self.device, cfg.parallelism)
+        self.rank = self.world.rank
+        self.config_toml = to_toml(cfg)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(self.config_toml)
+        self.spec = get_spec(cfg.model.spec)
+        self.model = self.spec.build(cfg.model)
+        tok_source = cfg.data.tokenizer or cfg.model.hf_path
+        if not tok_source:
+            raise UserError("no tokenizer: set 'data.tokenizer' (a tokenizer.json, a folder, or 'qwen3') "
+                            "or 'model.hf_path'")
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
+        vocab = self.spec.hf_config(self.model)["vocab_size"]
+        if self.tokenizer.vocab_size > vocab:
+            raise UserError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
+                            f"has {vocab} rows; pick a matching model.flavor / model.hf_path or data.tokenizer")
+        self.accum = self._grad_accum_steps()
+        self.loader = PackedLoader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
+                                   rank=self.world.dp_rank, world_size=self.world.dp_size)
+        self.step = 0
+        resume_from = training_state.latest_checkpoint(self.ckpt_root) if cfg.checkpoint.resume else None
+        self._materialize(pretrained=resume_from is None)
+        self.model = self.spec.parallelize(self.model, self.world, cfg)
+        self.optimizer = build_optimizer(self.model, cfg.training)
+        training_state.remove_stale_temporaries(self.ckpt_root)
+        if resume_from is not None:
+            state = training_state.load(resume_from, self.model, self.optimizer)
+            self.step = state["step"]
+            self.loader.load_state_dict(state["data"])
+            log.info("resumed from %s at step %d", resume_from, self.step)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                         if cfg.training.mixed_precision == "bf16" else contextlib.nullcontext())
+        dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+        self.peak_flops = devices.peak_flops(self.device, dtype, cfg.metrics.peak_tflops)
+        self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
+        self.metrics = MetricsLogger(self.out, cfg.metrics, cfg.training.steps, self.rank)
+        self.metrics.truncate_after(self.step)
+        self.stop_signal: int | None = None
+        n = self.spec.num_params(self.model)
+        log.info("model %s: %.2fM parameters, %s, %d-step grad accumulation, device %s, peak %.1f TFLOP/s",
+                 cfg.model.spec, n / 1e6, cfg.training.mixed_precision, self.accum, self.device,
+                 self.peak_flops / 1e12)
+
+    def _grad_accum_steps(self) -> int:
+        t = self.cfg.training
+        per_step = t.batch_size * self.world.dp_size
+        global_batch = t.global_batch_size or per_step
+        if global_batch % per_step:
+            raise UserError(f"config key 'training.global_batch_size' ({global_batch}) must be a multiple of "
+                            f"batch_size x data-parallel ranks ({t.batch_size} x {self.world.dp_size})")
+        return global_batch // per_step
+
+    def _materialize(self, pretrained: bool) -> None:
+        """Allocate the meta model on the device, then load weights or initialise (seeded)."""
+        m = self.cfg.model
+        self.model.to_empty(device=self.device)
+        self.spec.init_buffers(self.model)
+        has_weights = bool(m.hf_path) and any(Path(m.hf_path).glob("*.safetensors"))
+        if m.init == "pretrained" and not has_weights:
+            raise UserError(f"config key 'model.init' is 'pretrained' but {m.hf_path} has no *.safetensors")
+        torch.manual_seed(self.cfg.job.seed)
+        if not pretrained:
+            return  # the checkpoint fills every tensor
+        if has_weights and m.init != "random":
+            self.spec.load_hf(self.model, m.hf_path)
+        else:
+            self.spec.init_weights(self.model, m.init_std)
+        self.spec.init_buffers(self.model)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> None:
+        cfg = self.cfg
+        if self.step >= cfg.training.steps:
+            log.info("checkpoint is already at step %d of %d; nothing to train", self.step, cfg.training.steps)
+            self._finish(save=False)
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._loop()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.metrics.close()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stop_signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        log.warning("%s received: finishing step %d, saving a checkpoint, then exiting",
+                    signal.Signals(signum).name, self.step + 1)
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        tokens_per_step = cfg.training.batch_size * cfg.data.seq_len * self.accum * self.world.dp_size
+        window_start, window_steps = time.perf_counter(), 0
+        devices.reset_peak_memory(self.device)
+        while self.step < cfg.training.steps:
+            loss, grad_norm = self.train_step()
+            self.step += 1
+            window_steps += 1
+            if self.metrics.should_log(self.step):
+                devices.synchronize(self.device)
+                elapsed = time.perf_counter() - window_start
+                tps = tokens_per_step * window_steps / elapsed
+                mem = devices.memory_stats(self.device)
+                self.metrics.log({
+                    "step": self.step, "loss": loss, "lr": lr_at(cfg.training, self.step - 1),
+                    "grad_norm": grad_norm, "tokens_per_sec": tps,
+                    "mfu": self.flops_per_token * tps / (self.peak_flops * self.world.size),
+                    "mem_gib": mem.get("device_peak_alloc_gib", mem["host_peak_rss_gib"]),
+                    **mem, "tokens_seen": tokens_per_step * self.step,
+                })
+                window_start, window_steps = time.perf_counter(), 0
+            interval = cfg.checkpoint.interval
+            if self.stop_signal is not None:
+                self._save()
+                log.warning("stopped by %s at step %d; rerun the same command to resume",
+                            signal.Signals(self.stop_signal).name, self.step)
+                return
+            if interval and self.step % interval == 0 and self.step < cfg.training.steps:
+                self._save()
+        self._finish(save=True)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step over `accum` micro-batches; loss is normalised by the number of
+        valid label tokens in the whole step (all micro-batches, all data-parallel ranks)."""
+        batches = [self.loader.next_batch() for _ in range(self.accum)]
+        n_valid = torch.tensor(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
+                               dtype=torch.float32, device=self.device)
+        n_valid = self.world.all_reduce_sum_dp(n_valid).clamp_min(1)
+        total = torch.zeros((), device=self.device)
+        self.model.train()
+        for b in batches:
+            input_ids = b["input_ids"].to(self.device, non_blocking=True)
+            labels = b["labels"].to(self.device, non_blocking=True)
+            position_ids = b["position_ids"].to(self.device, non_blocking=True)
+            with self.autocast:
+                logits = self.model(input_ids, position_ids=position_ids)
+            loss = cross_entropy_sum(logits, labels) / n_valid
+            loss.backward()
+            total += loss.detach()
+        total = self.world.all_reduce_sum_dp(total)
+        max_norm = self.cfg.training.max_grad_norm or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        loss_value = float(total)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            latest = training_state.latest_checkpoint(self.ckpt_root)
+            raise TrainingDiverged(
+                f"loss is {loss_value} (grad norm {grad_norm}) at step {self.step + 1}; stopped without "
+                f"saving. Last good checkpoint: {latest or 'none'}. Lower training.lr, raise "
+                f"training.warmup_steps or check the data; rerunning resumes from that checkpoint.")
+        set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, grad_norm
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def _save(self) -> Path:
+        path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer,
+                                   {"data": self.loader.state_dict()}, self.config_toml,
+                                   self.cfg.checkpoint.keep_latest)
+        if self.rank == 0:
+            log.info("saved checkpoint %s", path)
+        return path
+
+    def _finish(self, save: bool) -> None:
+        if save:
+            self._save()
+        if self.cfg.checkpoint.export_hf:
+            self.export(self.out / "hf")
+
+    def export(self, out: Path) -> None:
+        tensors = self.world.full_tensors(self.spec.hf_state_dict(self.model))
+        config = self.spec.hf_config(self.model)
+        if self.rank == 0:
+            export_hf(tensors, config, out, self.cfg.checkpoint.export_shard_mb,
+                      source_folders=[self.cfg.model.hf_path], tokenizer_files=self.tokenizer.files)
+            log.info("exported Hugging Face model to %s", out)
+        else:
+            for _ in tensors:  # every rank takes part in the gathers
+                pass
