@@ -313,3 +313,14 @@ def test_extra_file_errors(tmp_path):
     with pytest.raises(UserError, match="would overwrite"):
         write_hf_folder(tmp_path / "o", [], {}, extra_files=[tmp_path / "config.json"])
     assert not (tmp_path / "o").exists()
+
+
+def test_write_views_and_non_contiguous(tmp_path):
+    """Views of one fused buffer and transposed tensors are written as their own values."""
+    fused = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    q, k = fused[:2], fused[2:]
+    t = torch.arange(12.0, requires_grad=True).reshape(3, 4).t()
+    out = write_hf_folder(tmp_path / "o", [("q", q), ("k", k), ("t", t)], {})
+    with HFReader(out) as r:
+        assert torch.equal(r.get("q"), q) and torch.equal(r.get("k"), k)
+        assert torch.equal(r.get("t"), t.detach()) and r.shape("t") == (4, 3)

@@ -21,8 +21,8 @@ from titanite.errors import UserError
 
 log = logging.getLogger("titanite")
 
-_CHUNK_DOCS = 512  # documents per encode_batch call: enough to keep the Rust threads busy
-_CHUNK_CHARS = 8_000_000  # ...or this many characters, whichever comes first
+_CHUNK_DOCS = 256  # documents per encode_batch call: enough to keep the Rust threads busy
+_CHUNK_CHARS = 2_000_000  # ...or this many characters (about 1 s of work), whichever first
 _PROGRESS_EVERY_S = 5.0
 
 

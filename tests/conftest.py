@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny real Hugging Face checkpoints and a tiny real tokenizer, built here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_VOCAB = 384
+
+# Keep the 2-core CI machine responsive and results reproducible.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def corpus_texts(n: int = 200) -> list[str]:
+    """Deterministic English-like documents with learnable structure."""
+    words = ("the model reads tokens and predicts the next token while the optimizer lowers "
+             "the loss on every step of training data in small batches").split()
+    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(20 + i % 30)) for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 8, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_texts(), trainer)
+    d = tmp_path_factory.mktemp("tok")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return d
+
+
+def make_hf_checkpoint(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised transformers Qwen3 (or Qwen3-MoE) to `folder`."""
+    import transformers
+
+    kw = dict(vocab_size=TINY_VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    if "num_experts" in kw:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
+    model.save_pretrained(folder)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+@pytest.fixture
+def tiny_hf(tmp_path, tiny_tokenizer_dir) -> Path:
+    return make_hf_checkpoint(tmp_path / "tiny-hf", tiny_tokenizer_dir)
+
+
+@pytest.fixture
+def tiny_data(tmp_path) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600, module: str = "titanite.cli",
+            check: bool = False) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def tiny_train_args(hf: Path, data: Path, out: Path, steps: int = 6, **extra) -> list[str]:
+    """Overrides for a few-second run of a tiny model (fp32, CPU, log every step)."""
+    opts = {"job.output_dir": out, "model.hf_path": hf, "data.path": data, "data.seq_len": 32,
+            "training.steps": steps, "training.batch_size": 4, "training.lr": 1e-3,
+            "training.warmup_steps": 2, "metrics.log_interval": 1, "metrics.peak_tflops": 1.0,
+            "metrics.progress_bar": "off", "checkpoint.interval": 2}
+    opts.update(extra)
+    return [f"--{k}={v}" for k, v in opts.items()]
