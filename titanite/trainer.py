@@ -157,6 +157,8 @@ class Trainer:
                     "mfu": self.flops_per_token * tps / (self.peak_flops * self.world.size),
                     "mem_gib": mem.get("device_peak_alloc_gib", mem["host_peak_rss_gib"]),
                     **mem, "tokens_seen": tokens_per_step * self.step,
+                    **({"aux_loss": self.step_aux_loss} if self.step_aux_loss else {}),
+                    **self.step_stats,
                 })
                 window_start, window_steps = time.perf_counter(), 0
             interval = cfg.checkpoint.interval
@@ -177,17 +179,26 @@ class Trainer:
                                dtype=torch.float32, device=self.device)
         n_valid = self.world.all_reduce_sum_dp(n_valid).clamp_min(1)
         total = torch.zeros((), device=self.device)
+        aux_total = torch.zeros((), device=self.device)
+        self.step_stats: dict[str, float] = {}
         self.model.train()
         for b in batches:
             input_ids = b["input_ids"].to(self.device, non_blocking=True)
             labels = b["labels"].to(self.device, non_blocking=True)
             position_ids = b["position_ids"].to(self.device, non_blocking=True)
             with self.autocast:
-                logits = self.model(input_ids, position_ids=position_ids)
-            loss = cross_entropy_sum(logits, labels) / n_valid
-            loss.backward()
+                out = self.spec.forward_train(self.model, input_ids, position_ids)
+            loss = cross_entropy_sum(out.logits, labels) / n_valid
             total += loss.detach()
+            if out.aux_loss is not None:  # reported separately, and only when the model asks for it
+                aux = out.aux_loss / self.accum
+                aux_total += aux.detach()
+                loss = loss + aux
+            loss.backward()
+            for k, v in out.stats.items():
+                self.step_stats[k] = self.step_stats.get(k, 0.0) + v / self.accum
         total = self.world.all_reduce_sum_dp(total)
+        self.step_aux_loss = float(self.world.all_reduce_sum_dp(aux_total)) / self.world.dp_size
         max_norm = self.cfg.training.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)

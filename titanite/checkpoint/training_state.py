@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,9 @@ def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     state = {"model": get_model_state_dict(model),
              "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
              "rng": {"cpu": torch.get_rng_state()}}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     _barrier()
     if _rank() == 0:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
@@ -106,7 +109,9 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
         state["optim"] = _tensor_items(optim_full)
         state["rng"] = {"cpu": torch.get_rng_state()}
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:  # DCP reports layout mismatches as generic errors; name the folder
         raise UserError(f"checkpoint {path} does not match this model/optimizer: {e}") from e
     set_model_state_dict(model, state["model"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +17,15 @@ from torch import nn
 
 from titanite.config import ModelConfig
 from titanite.errors import UserError, did_you_mean
+
+
+@dataclass
+class TrainOutput:
+    """What one training forward returns to the trainer."""
+
+    logits: torch.Tensor  # [B, S, V]
+    aux_loss: torch.Tensor | None = None  # already scaled by its coefficient; added to the loss
+    stats: dict[str, float] = field(default_factory=dict)  # telemetry (e.g. expert load), logged
 
 
 class ModelSpec(ABC):
@@ -49,6 +59,11 @@ class ModelSpec(ABC):
     @abstractmethod
     def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, attention included."""
+
+    def forward_train(self, model: nn.Module, input_ids: torch.Tensor,
+                      position_ids: torch.Tensor) -> TrainOutput:
+        """One training forward. Backends with auxiliary losses or telemetry override this."""
+        return TrainOutput(model(input_ids, position_ids=position_ids))
 
     def parallelize(self, model: nn.Module, mesh: Any, cfg: Any) -> nn.Module:
         """Apply parallelism from outside the model. Single-process default: nothing to do."""
