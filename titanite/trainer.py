@@ -183,12 +183,10 @@ class Trainer:
         self.step_stats: dict[str, float] = {}
         self.model.train()
         for b in batches:
-            input_ids = b["input_ids"].to(self.device, non_blocking=True)
-            labels = b["labels"].to(self.device, non_blocking=True)
-            position_ids = b["position_ids"].to(self.device, non_blocking=True)
+            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self.autocast:
-                out = self.spec.forward_train(self.model, input_ids, position_ids)
-            loss = cross_entropy_sum(out.logits, labels) / n_valid
+                out = self.spec.forward_train(self.model, b)
+            loss = cross_entropy_sum(out.logits, b["labels"]) / n_valid
             total += loss.detach()
             if out.aux_loss is not None:  # reported separately, and only when the model asks for it
                 aux = out.aux_loss / self.accum
@@ -213,6 +211,7 @@ class Trainer:
         set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.spec.after_optimizer_step(self.model)
         return loss_value, grad_norm
 
     # -- saving -----------------------------------------------------------------------------

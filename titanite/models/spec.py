@@ -60,10 +60,14 @@ class ModelSpec(ABC):
     def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, attention included."""
 
-    def forward_train(self, model: nn.Module, input_ids: torch.Tensor,
-                      position_ids: torch.Tensor) -> TrainOutput:
-        """One training forward. Backends with auxiliary losses or telemetry override this."""
-        return TrainOutput(model(input_ids, position_ids=position_ids))
+    def forward_train(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> TrainOutput:
+        """One training forward on a device batch (`input_ids`, `position_ids`, and optional keys
+        such as `document_ids` for packed samples). Backends with auxiliary losses or telemetry
+        override this."""
+        return TrainOutput(model(batch["input_ids"], position_ids=batch["position_ids"]))
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """Hook run after every optimizer step (e.g. MoE load-balancing bias updates)."""
 
     def parallelize(self, model: nn.Module, mesh: Any, cfg: Any) -> nn.Module:
         """Apply parallelism from outside the model. Single-process default: nothing to do."""
