@@ -100,5 +100,5 @@ def _load_builtin_specs() -> None:
     try:
         import titanite.models.hf.spec  # noqa: F401
     except ModuleNotFoundError as e:
-        if e.name != "titanite.models.hf.spec":
+        if e.name not in ("titanite.models.hf", "titanite.models.hf.spec"):
             raise
