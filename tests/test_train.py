@@ -116,15 +116,15 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, tiny_hf, tiny_dat
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_hf, tiny_data, monkeypatch):
     import titanite.trainer as trainer_mod
 
-    real = trainer_mod.cross_entropy_sum
+    real = trainer_mod.output_loss_sum
     seen = {"n": 0}
 
-    def poisoned(logits, labels):
+    def poisoned(out, labels):
         seen["n"] += 1
-        loss = real(logits, labels)
+        loss = real(out, labels)
         return loss * float("nan") if seen["n"] == 3 else loss
 
-    monkeypatch.setattr(trainer_mod, "cross_entropy_sum", poisoned)
+    monkeypatch.setattr(trainer_mod, "output_loss_sum", poisoned)
     out = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match=r"loss is nan .* at step 3.*step-2"):
         train_in_process(tiny_train_args(tiny_hf, tiny_data, out, steps=6))

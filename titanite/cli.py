@@ -69,7 +69,76 @@ def run_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": run_train, "export": run_export}
+@_user_errors
+def run_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titanite generate",
+        description="Generate text with a KV cache from a Hugging Face folder, a training checkpoint "
+                    "(checkpoints/step-N) or a run folder (its latest checkpoint). Chat models get "
+                    "their prompt rendered with the tokenizer's chat template.")
+    parser.add_argument("--model", required=True, help="HF folder, checkpoint folder or run output_dir")
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="prompt text (repeat for several; each is answered on its own)")
+    parser.add_argument("--system", default="", help="system message for chat models")
+    parser.add_argument("--raw", action="store_true", help="use the prompt as plain text, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto = bfloat16 on accelerators, float32 on CPU")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    args = parser.parse_args(argv)
+    setup_logging()
+    import torch
+
+    from titanite.device import pick_device
+    from titanite.generate import Sampling, load_generator
+
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    sampling.check()
+    device = pick_device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    generator = load_generator(args.model, dtype=dtype, device=device)
+    for prompt in args.prompt:
+        print(generator.complete(prompt, sampling, system=args.system, raw=args.raw), flush=True)
+    return 0
+
+
+@_user_errors
+def run_kernels(argv: list[str]) -> int:
+    setup_logging()
+    from titanite.kernels.cli import main as kernels_main
+
+    return kernels_main(argv)
+
+
+@_user_errors
+def run_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="titanite plot",
+                                     description="Draw loss, learning rate and tokens/s of one or more runs "
+                                                 "(their metrics.jsonl) on shared axes.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (job.output_dir)")
+    parser.add_argument("-o", "--out", default="curves.png", help="image to write (default curves.png)")
+    args = parser.parse_args(argv)
+    setup_logging()
+    from titanite.plot import plot_runs
+
+    plot_runs(args.runs, args.out)
+    log.info("wrote %s", args.out)
+    return 0
+
+
+@_user_errors
+def run_estimate(argv: list[str]) -> int:
+    from titanite.estimate import main as estimate_main
+
+    return estimate_main(argv)
+
+
+COMMANDS = {"train": run_train, "export": run_export, "generate": run_generate, "kernels": run_kernels,
+            "plot": run_plot, "estimate": run_estimate}
 
 
 def main(argv: list[str] | None = None) -> int:

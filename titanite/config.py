@@ -43,6 +43,7 @@ class ModelConfig:
                    choices=("auto", "pretrained", "random"))
     init_std: float = _f(0.02, "Std of the normal init for linear and embedding weights (random init).")
     trust_remote_code: bool = _f(False, "Allow code shipped in hf_path to run (hf spec only). Off unless you set it.")
+    moe_bias_update_rate: float = _f(0.0, "MoE auxiliary-loss-free load balancing (native qwen3 only): after every optimizer step each expert's routing bias moves by this much, down if the expert got more than the mean number of tokens, up if fewer (e.g. 1e-3). The bias only chooses experts, never weights them; it is saved in training checkpoints but has no place in the Hugging Face layout, so exports drop it (a warning says so). 0 = off.")
 
 
 @dataclass
@@ -71,8 +72,8 @@ class DataConfig:
     path: str = _f("", "Local data: a .txt/.jsonl/.parquet file, a folder of them, a datasets save_to_disk folder, or '<stdlib>' (this Python's standard library sources).")
     dataset_name: str = _f("", "A datasets hub name to load instead of path (needs network; only fetched when you set this).")
     split: str = _f("train", "Split for datasets folders and hub datasets.")
-    format: str = _f("auto", "'auto' (by file suffix), 'text', 'jsonl', 'parquet' or 'dataset'.",
-                     choices=("auto", "text", "jsonl", "parquet", "dataset"))
+    format: str = _f("auto", "'auto' (by file suffix), 'text', 'jsonl', 'parquet', 'dataset', or 'chat' (conversations: JSON lines, parquet or a datasets folder whose rows hold data.messages_field, rendered with the tokenizer's chat template).",
+                     choices=("auto", "text", "jsonl", "parquet", "dataset", "chat"))
     glob: str = _f("", "When path is a folder: file pattern to read (default by format, e.g. '**/*.txt').")
     max_files: int = _f(0, "Read at most this many files (sorted order); 0 = all.")
     text_field: str = _f("text", "Field holding the document text in JSON lines, parquet and datasets rows.")
@@ -81,6 +82,24 @@ class DataConfig:
     shuffle: bool = _f(True, "Shuffle packed windows each epoch (deterministic by job.seed).")
     on_decode_error: str = _f("error", "Text files with bytes that are not UTF-8: 'error' (stop, naming the file), 'skip' the file, or 'replace' the bytes.",
                               choices=("error", "skip", "replace"))
+    packing: str = _f("auto", "'stream' (documents joined by the separator and cut into windows; attention crosses documents), 'documents' (whole samples packed into windows; positions restart and attention stays inside each sample), 'pad' (one sample per sequence, padded), or 'auto' ('documents' for chat, 'stream' otherwise).",
+                      choices=("auto", "stream", "documents", "pad"))
+    overlong: str = _f("truncate", "'documents'/'pad' packing: a sample longer than seq_len is cut to seq_len tokens ('truncate') or left out ('drop'); both are counted in metrics.",
+                       choices=("truncate", "drop"))
+    messages_field: str = _f("messages", "chat: the field holding the list of {role, content} messages.")
+    chat_template: str = _f("", "chat: a .jinja file with the chat template; empty = the tokenizer's own (chat_template.jinja or tokenizer_config.json).")
+    chat_loss: str = _f("assistant", "chat: which tokens carry loss: 'assistant' (every assistant turn, end-of-turn token included), 'last_assistant' (the final turn only) or 'all'.",
+                        choices=("assistant", "last_assistant", "all"))
+    on_malformed: str = _f("error", "chat: a row that is not JSON, lacks messages, has an unknown role, no assistant turn or special tokens in its text: 'error' (stop, naming file and line) or 'skip' (counted in metrics).",
+                           choices=("error", "skip"))
+
+
+@dataclass
+class EvalConfig:
+    path: str = _f("", "Held-out data in the same format as [data] (file or folder); empty = no evaluation.")
+    interval: int = _f(0, "Evaluate every N steps; 0 = only at the end. The last step always evaluates.")
+    batch_size: int = _f(0, "Sequences per eval batch per rank; 0 = training.batch_size.")
+    max_batches: int = _f(0, "Evaluate on at most this many batches (the same ones every time); 0 = all of the held-out data.")
 
 
 @dataclass
@@ -106,7 +125,11 @@ class ParallelismConfig:
     dp_replicate: int = _f(1, "Replicated data-parallel degree (HSDP outer dimension).")
     dp_shard: int = _f(-1, "Sharded data-parallel degree (FSDP2); -1 = the rest of the world size.")
     tp: int = _f(1, "Tensor-parallel degree.")
-    ep: int = _f(1, "Expert-parallel degree (MoE).")
+    ep: int = _f(1, "Expert-parallel degree (MoE). Expert-parallel ranks are taken from the dp_shard ranks, so ep must divide dp_shard.")
+    activation_checkpoint: str = _f("none", "Recompute activations in backward to save memory: 'none', 'full' (each transformer block keeps only its input) or 'selective' (keep matmul and attention outputs, recompute norms, activations and RoPE).",
+                                    choices=("none", "full", "selective"))
+    compile: bool = _f(False, "torch.compile each transformer block (a cold compile takes tens of seconds; mostly worth it on accelerators).")
+    collective_timeout_s: int = _f(600, "Seconds a collective may wait for the other ranks before the job fails, so a dead or stuck rank ends the run with a non-zero exit instead of a hang.")
 
 
 @dataclass
@@ -122,6 +145,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -259,15 +283,21 @@ def validate(cfg: Config) -> None:
         raise UserError(f"config key 'training.min_lr_ratio' must be in [0, 1], got {t.min_lr_ratio}")
     if not 0 < t.decay_ratio <= 1:
         raise UserError(f"config key 'training.decay_ratio' must be in (0, 1], got {t.decay_ratio}")
+    positive("model.moe_bias_update_rate", cfg.model.moe_bias_update_rate, allow_zero=True)
     positive("data.seq_len", d.seq_len)
     positive("data.max_files", d.max_files, allow_zero=True)
+    if d.format == "chat" and d.packing == "stream":
+        raise UserError("config key 'data.packing': 'stream' cannot keep chat samples apart; use "
+                        "'documents' or 'pad' with data.format = 'chat'")
+    for key in ("interval", "batch_size", "max_batches"):
+        positive(f"eval.{key}", getattr(cfg.eval, key), allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     positive("checkpoint.keep_latest", cfg.checkpoint.keep_latest, allow_zero=True)
     positive("checkpoint.export_shard_mb", cfg.checkpoint.export_shard_mb)
     positive("metrics.log_interval", cfg.metrics.log_interval)
     positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
     p = cfg.parallelism
-    for key in ("dp_replicate", "tp", "ep"):
+    for key in ("dp_replicate", "tp", "ep", "collective_timeout_s"):
         positive(f"parallelism.{key}", getattr(p, key))
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise UserError(f"config key 'parallelism.dp_shard' must be -1 or >= 1, got {p.dp_shard}")

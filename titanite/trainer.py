@@ -17,16 +17,20 @@ import torch
 import torch.nn.functional as F
 
 from titanite import device as devices
+from titanite import kernels
 from titanite.checkpoint import training_state
 from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
 from titanite.data.loader import PackedLoader
+from titanite.data.packing import packing_mode
 from titanite.data.tokenizer import load_tokenizer
 from titanite.errors import TrainingDiverged, UserError
+from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
-from titanite.models.spec import get_spec
+from titanite.models.spec import TrainOutput, get_spec
 from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
+from titanite.parallel.grad_norm import clip_grad_norm_
 
 log = logging.getLogger("titanite")
 IGNORE_INDEX = -100
@@ -36,6 +40,12 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Summed token cross-entropy in fp32. logits [B, S, V], labels [B, S] (IGNORE_INDEX skipped)."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+def output_loss_sum(out: TrainOutput, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of a training forward: the model's own (the `loss` kernel op)
+    when it gives one, else computed here from its logits."""
+    return out.loss_sum if out.loss_sum is not None else cross_entropy_sum(out.logits, labels)
 
 
 class Trainer:
@@ -51,7 +61,11 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(self.config_toml)
         self.spec = get_spec(cfg.model.spec)
+        kernels.load_plugins(cfg.kernels.plugins)
         self.model = self.spec.build(cfg.model)
+        compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+        self.spec.attach_kernels(self.model, cfg.kernels, self.device.type, compute_dtype)
+        self.world.dims.check_model(self.spec.hf_config(self.model))  # before any weights are read
         tok_source = cfg.data.tokenizer or cfg.model.hf_path
         if not tok_source:
             raise UserError("no tokenizer: set 'data.tokenizer' (a tokenizer.json, a folder, or 'qwen3') "
@@ -62,8 +76,14 @@ class Trainer:
             raise UserError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
                             f"has {vocab} rows; pick a matching model.flavor / model.hf_path or data.tokenizer")
         self.accum = self._grad_accum_steps()
+        if packing_mode(cfg.data) == "documents" and not self.spec.supports_document_masks:
+            raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
+                            f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
+                            "data.packing = 'pad' (one sample per sequence)")
         self.loader = PackedLoader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
                                    rank=self.world.dp_rank, world_size=self.world.dp_size)
+        self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
+                          if cfg.eval.path else None)
         self.step = 0
         resume_from = training_state.latest_checkpoint(self.ckpt_root) if cfg.checkpoint.resume else None
         self._materialize(pretrained=resume_from is None)
@@ -84,9 +104,9 @@ class Trainer:
         self.metrics.truncate_after(self.step)
         self.stop_signal: int | None = None
         n = self.spec.num_params(self.model)
-        log.info("model %s: %.2fM parameters, %s, %d-step grad accumulation, device %s, peak %.1f TFLOP/s",
-                 cfg.model.spec, n / 1e6, cfg.training.mixed_precision, self.accum, self.device,
-                 self.peak_flops / 1e12)
+        log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
+                 "device %s, peak %.1f TFLOP/s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
+                 cfg.training.mixed_precision, self.accum, self.device, self.peak_flops / 1e12)
 
     def _grad_accum_steps(self) -> int:
         t = self.cfg.training
@@ -121,6 +141,7 @@ class Trainer:
         if self.step >= cfg.training.steps:
             log.info("checkpoint is already at step %d of %d; nothing to train", self.step, cfg.training.steps)
             self._finish(save=False)
+            self.world.close()
             return
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -129,6 +150,7 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.metrics.close()
+            self.world.close()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self.stop_signal is not None:  # a second signal: stop now
@@ -146,7 +168,12 @@ class Trainer:
             loss, grad_norm = self.train_step()
             self.step += 1
             window_steps += 1
-            if self.metrics.should_log(self.step):
+            eval_row: dict[str, float] = {}
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                eval_start = time.perf_counter()
+                eval_row = self.evaluate()
+                window_start += time.perf_counter() - eval_start  # not training throughput
+            if self.metrics.should_log(self.step) or eval_row:
                 devices.synchronize(self.device)
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / elapsed
@@ -158,11 +185,14 @@ class Trainer:
                     "mem_gib": mem.get("device_peak_alloc_gib", mem["host_peak_rss_gib"]),
                     **mem, "tokens_seen": tokens_per_step * self.step,
                     **({"aux_loss": self.step_aux_loss} if self.step_aux_loss else {}),
-                    **self.step_stats,
+                    **self.step_stats, **self.loader.data_metrics(), **eval_row,
                 })
                 window_start, window_steps = time.perf_counter(), 0
             interval = cfg.checkpoint.interval
-            if self.stop_signal is not None:
+            # Every rank must agree to stop, or the ones that did not see the signal would wait
+            # in the next step's collectives while the others save.
+            if self.world.any_rank(self.stop_signal is not None):
+                self.stop_signal = self.stop_signal or signal.SIGTERM
                 self._save()
                 log.warning("stopped by %s at step %d; rerun the same command to resume",
                             signal.Signals(self.stop_signal).name, self.step)
@@ -184,22 +214,24 @@ class Trainer:
         self.model.train()
         for b in batches:
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-            with self.autocast:
-                out = self.spec.forward_train(self.model, b)
-            loss = cross_entropy_sum(out.logits, b["labels"]) / n_valid
-            total += loss.detach()
-            if out.aux_loss is not None:  # reported separately, and only when the model asks for it
-                aux = out.aux_loss / self.accum
-                aux_total += aux.detach()
-                loss = loss + aux
-            loss.backward()
+            with self.world.loss_parallel():  # vocab-sharded logits under tensor parallel
+                with self.autocast:
+                    out = self.spec.forward_train(self.model, b)
+                loss = distributed.local(output_loss_sum(out, b["labels"])) / n_valid
+                total += loss.detach()
+                if out.aux_loss is not None:  # reported separately, and only when the model asks for it
+                    # The mean over every micro-batch of the global batch: data-parallel
+                    # gradients are summed, so each rank's share is divided by their count too.
+                    aux = distributed.local(out.aux_loss) / (self.accum * self.world.dp_size)
+                    aux_total += aux.detach()
+                    loss = loss + aux
+                loss.backward()
             for k, v in out.stats.items():
                 self.step_stats[k] = self.step_stats.get(k, 0.0) + v / self.accum
         total = self.world.all_reduce_sum_dp(total)
-        self.step_aux_loss = float(self.world.all_reduce_sum_dp(aux_total)) / self.world.dp_size
+        self.step_aux_loss = float(self.world.all_reduce_sum_dp(aux_total))
         max_norm = self.cfg.training.max_grad_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = float(clip_grad_norm_(self.model.parameters(), max_norm))
         loss_value = float(total)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -213,6 +245,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.spec.after_optimizer_step(self.model)
         return loss_value, grad_norm
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and perplexity on the held-out data (eval.path); see titanite/eval.py."""
+        def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:
+            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+            with self.world.loss_parallel():
+                with self.autocast:
+                    out = self.spec.forward_train(self.model, b)
+                return distributed.local(output_loss_sum(out, b["labels"]))
+
+        assert self.evaluator is not None
+        return self.evaluator.run(self.model, loss_sum, self.world.all_reduce_sum_dp, self.device)
 
     # -- saving -----------------------------------------------------------------------------
 

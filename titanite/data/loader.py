@@ -1,7 +1,9 @@
 """The stateful training loader: packed token windows served as per-rank batches.
 
-The token stream (see packing.py) is cut into non-overlapping windows of seq_len + 1 tokens;
-a window's first seq_len tokens are the input and its last seq_len the labels. Each epoch
+In the 'stream' layout (see packing.py) the token stream is cut into non-overlapping windows
+of seq_len + 1 tokens; a window's first seq_len tokens are the input and its last seq_len the
+labels. In the 'documents' and 'pad' layouts the windows are packed samples with their own
+labels, position ids and (for 'documents') document ids. Each epoch
 orders the windows (a seeded permutation, or sequentially) and serves them in global batches
 of G = batch_size * world_size windows; data-parallel rank r takes the r-th contiguous
 batch_size share of each. The position is kept in global batches, so a checkpoint taken on
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 
 from titanite.config import DataConfig
-from titanite.data.packing import pack_documents
+from titanite.data.packing import (SampleWindows, StreamWindows, build_sample_windows, pack_documents,
+                                   packing_mode)
 from titanite.data.sources import describe_source
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
@@ -32,7 +35,8 @@ class PackedLoader:
 
     Args:
         cfg: the [data] config (source, tokenizer-independent settings, seq_len, shuffle).
-        tokenizer: from `load_tokenizer`; only `encode_batch` and `eos_id` are used.
+        tokenizer: from `load_tokenizer`: `encode_batch` and `eos_id` (the separator, and the
+            padding id), and for chat data the tokenizer.json its chat template encodes with.
         batch_size: sequences per batch on this rank.
         seed: shuffling seed (job.seed); epoch e uses a permutation seeded from (seed, e).
         rank, world_size: this rank among the data-parallel ranks (not TP/EP ranks).
@@ -46,45 +50,69 @@ class PackedLoader:
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.global_batch_size = batch_size * world_size
 
-        tokens, self.stats = pack_documents(cfg, tokenizer)
-        width = cfg.seq_len + 1
-        self.num_tokens = len(tokens)
-        self.num_windows = self.num_tokens // width
-        # The incomplete tail is dropped; the view keeps the one int32 buffer.
-        self.windows = tokens[: self.num_windows * width].reshape(self.num_windows, width)
+        self.packing = packing_mode(cfg)
+        self.sample_stats = None
+        self.windows: StreamWindows | SampleWindows
+        if self.packing == "stream":
+            tokens, self.stats = pack_documents(cfg, tokenizer)
+            self.num_tokens = len(tokens)
+            self.windows = StreamWindows(tokens, cfg.seq_len)
+        else:
+            self.windows, self.stats, self.sample_stats = build_sample_windows(cfg, tokenizer, self.packing)
+            self.num_tokens = self.sample_stats.tokens
+        self.num_windows = len(self.windows)
         self.batches_per_epoch = self.num_windows // self.global_batch_size
         if self.batches_per_epoch == 0:
-            need = width * self.global_batch_size
+            if self.sample_stats is None:
+                width = cfg.seq_len + 1
+                need = width * self.global_batch_size
+                raise UserError(
+                    f"{describe_source(cfg)} has {self.num_tokens} tokens, but one global batch needs "
+                    f"{need}: (data.seq_len {cfg.seq_len} + 1) x {self.global_batch_size} sequences "
+                    f"({batch_size} per rank x {world_size} ranks). Add data or lower data.seq_len "
+                    "or training.batch_size")
             raise UserError(
-                f"{describe_source(cfg)} has {self.num_tokens} tokens, but one global batch needs "
-                f"{need}: (data.seq_len {cfg.seq_len} + 1) x {self.global_batch_size} sequences "
-                f"({batch_size} per rank x {world_size} ranks). Add data or lower data.seq_len "
-                "or training.batch_size")
-        log.info("data: %s; %d tokens -> %d sequences of %d tokens, %d global batches per epoch",
-                 self.stats.summary(), self.num_tokens, self.num_windows, cfg.seq_len,
-                 self.batches_per_epoch)
+                f"{describe_source(cfg)} packs into {self.num_windows} sequences (data.packing = "
+                f"'{self.packing}', {self.sample_stats.summary()}), but one global batch needs "
+                f"{self.global_batch_size} ({batch_size} per rank x {world_size} ranks). Add data or "
+                "lower training.batch_size")
+        if self.sample_stats is None:
+            log.info("data: %s; %d tokens -> %d sequences of %d tokens, %d global batches per epoch",
+                     self.stats.summary(), self.num_tokens, self.num_windows, cfg.seq_len,
+                     self.batches_per_epoch)
+        else:
+            log.info("data: %s; %s ('%s' packing, %.1f%% of positions are tokens), %d global "
+                     "batches per epoch", self.stats.summary(), self.sample_stats.summary(), self.packing,
+                     100 * self.fill(), self.batches_per_epoch)
 
         self.epoch = 0
         self.position = 0  # global batches already served in this epoch
         self._order: np.ndarray | None = None
         self._order_epoch = -1
-        # Every batch has the same positions: each window is one causal sequence.
-        self._position_ids = torch.arange(cfg.seq_len, dtype=torch.int64).expand(batch_size, -1)
+
+    def fill(self) -> float:
+        """Fraction of window positions that hold sample tokens rather than padding."""
+        return self.num_tokens / max(1, self.num_windows * self.seq_len)
+
+    def data_metrics(self) -> dict[str, float]:
+        """Counts for metrics.jsonl in the sample layouts (what was cut, dropped or skipped)."""
+        if self.sample_stats is None:
+            return {}
+        s = self.sample_stats
+        return {"data_samples": s.samples, "data_truncated": s.truncated,
+                "data_dropped": s.dropped_overlong + s.dropped_no_loss,
+                "data_malformed": getattr(self.stats, "malformed_skipped", 0), "data_fill": self.fill()}
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """This rank's next batch: input_ids, labels, position_ids, each int64 CPU [B, S]."""
+        """This rank's next batch: input_ids, labels, position_ids, each int64 CPU [B, S], plus
+        document_ids [B, S] in the 'documents' layout."""
         if self.position >= self.batches_per_epoch:
             self.epoch += 1
             self.position = 0
         start = self.position * self.global_batch_size + self.rank * self.batch_size
         idx = self._epoch_order()[start : start + self.batch_size]
-        window = torch.from_numpy(self.windows[idx]).to(torch.int64)  # [B, S + 1]
         self.position += 1
-        return {
-            "input_ids": window[:, :-1].contiguous(),
-            "labels": window[:, 1:].contiguous(),
-            "position_ids": self._position_ids.clone(),
-        }
+        return self.windows.batch(idx)
 
     def __iter__(self) -> PackedLoader:
         return self

@@ -1,31 +1,28 @@
-"""Kernel seams. The native model reaches its replaceable math only through `op(name)`.
+"""Kernel seams: the native model reaches its replaceable math only through named ops.
 
-Each op has a pure-PyTorch reference in `titanite.kernels.reference_ops`; `reference(name)`
-returns it. Other implementations register against the same signature.
+Ops: attention, rms_norm, rope, swiglu, moe.router, moe.dispatch, moe.experts, loss. Each has a
+pure-PyTorch reference in `titanite.kernels.reference_ops` (`reference(op)` returns it); other
+implementations register against the same signature:
+
+    @titanite.kernels.register("moe.experts", "my_kernel", devices=("cuda",), dtypes=(torch.bfloat16,))
+    def my_experts(x, counts, w_gate_up, w_down): ...
+
+A module binds a call site with `op(name)`; `attach(model, ...)` rebinds every call site from
+the `[kernels]` table (per op, or per module FQN glob). `titanite kernels list|verify|bench`
+shows, checks and times what is registered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from titanite.kernels.attach import DEFAULTS, Kernel, attach, iter_kernels
+from titanite.kernels.plugins import load_plugins
+from titanite.kernels.reference_ops import IGNORE_INDEX
+from titanite.kernels.registry import OPS, REFERENCE, Impl, implementations, reference, register
 
-from titanite.errors import UserError, did_you_mean
-from titanite.kernels import reference_ops
-
-_REFERENCE: dict[str, Callable] = {
-    "rms_norm": reference_ops.rms_norm,
-    "rope": reference_ops.rope,
-    "attention": reference_ops.attention,
-    "swiglu": reference_ops.swiglu,
-}
+__all__ = ["DEFAULTS", "IGNORE_INDEX", "OPS", "REFERENCE", "Impl", "Kernel", "attach", "implementations",
+           "iter_kernels", "load_plugins", "op", "reference", "register"]
 
 
-def reference(name: str) -> Callable:
-    """The op's pure-PyTorch reference implementation (the oracle every kernel is checked against)."""
-    if name not in _REFERENCE:
-        raise UserError(f"unknown kernel op '{name}'{did_you_mean(name, _REFERENCE)}; ops: {', '.join(sorted(_REFERENCE))}")
-    return _REFERENCE[name]
-
-
-def op(name: str) -> Callable:
-    """The implementation a module binds at construction time."""
-    return reference(name)
+def op(name: str) -> Kernel:
+    """A call site for op `name`, for a module to hold (`self.kernel = kernels.op("rms_norm")`)."""
+    return Kernel(name)

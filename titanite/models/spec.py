@@ -23,13 +23,20 @@ from titanite.errors import UserError, did_you_mean
 class TrainOutput:
     """What one training forward returns to the trainer."""
 
-    logits: torch.Tensor  # [B, S, V]
+    logits: torch.Tensor | None  # [B, S, V]; None when loss_sum is given
     aux_loss: torch.Tensor | None = None  # already scaled by its coefficient; added to the loss
     stats: dict[str, float] = field(default_factory=dict)  # telemetry (e.g. expert load), logged
+    # fp32 cross-entropy summed over the batch's valid labels, when the model computes it itself
+    # (the `loss` kernel op, without materialising the logits); the trainer then skips its own.
+    loss_sum: torch.Tensor | None = None
 
 
 class ModelSpec(ABC):
     name: str
+    # True when forward_train honours batch["document_ids"] (attention kept inside each packed
+    # sample). The trainer refuses data.packing = 'documents' otherwise, rather than letting
+    # packed samples silently attend to each other.
+    supports_document_masks: bool = False
 
     @abstractmethod
     def build(self, cfg: ModelConfig) -> nn.Module:
@@ -65,6 +72,14 @@ class ModelSpec(ABC):
         such as `document_ids` for packed samples). Backends with auxiliary losses or telemetry
         override this."""
         return TrainOutput(model(batch["input_ids"], position_ids=batch["position_ids"]))
+
+    def attach_kernels(self, model: nn.Module, cfg: Any, device_type: str, dtype: torch.dtype) -> dict[str, str]:
+        """Bind the model's kernel call sites from the `[kernels]` table (cfg: KernelsConfig);
+        returns {call site: "op:implementation"}. Backends whose modules hold no call sites of
+        their own add them here first."""
+        from titanite.kernels import attach
+
+        return attach(model, cfg.select, device_type, dtype, cfg.fallback)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Hook run after every optimizer step (e.g. MoE load-balancing bias updates)."""

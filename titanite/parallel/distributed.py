@@ -1,19 +1,30 @@
 """Process-group setup and the few collectives the trainer needs, behind one `World` object.
 
-Single process (plain python or `torchrun --nproc_per_node=1`) needs no process group.
+A single process (plain python or `torchrun --nproc_per_node=1`) needs no process group. Under
+torchrun with more processes, the backend comes from the device (gloo on CPU, the device's own
+elsewhere) and every collective has a timeout, so a dead or stuck rank fails the job instead of
+hanging it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from titanite import device as devices
 from titanite.config import ParallelismConfig
-from titanite.errors import UserError
+from titanite.parallel.mesh import ParallelDims
+
+log = logging.getLogger("titanite")
 
 
 @dataclass
@@ -23,24 +34,87 @@ class World:
     dp_rank: int = 0
     dp_size: int = 1
     device: torch.device | None = None
-    mesh: object | None = None
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # by role, see ParallelDims.build_meshes
+    dims: ParallelDims | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp if self.dims else 1
 
     def all_reduce_sum_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over the data-parallel ranks (tensor-parallel peers hold the same value)."""
         if self.dp_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.meshes["dp"].get_group())
         return t
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on at least one (e.g. a signal to stop)."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager:
+        """Forward loss and backward run in this: with tensor parallelism the logits stay
+        sharded over the vocabulary and cross-entropy is computed across the shards."""
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def full_tensors(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Gather sharded (DTensor) tensors to full ones, one at a time, on every rank."""
         for key, t in pairs:
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            yield key, t.detach()
+            yield key, full_tensor(t).detach()
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered to the full tensor (a collective: every rank of its mesh calls it);
+    other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_numel(model: torch.nn.Module) -> int:
+    """Parameter elements this rank stores (its shards of DTensor parameters, padding included)."""
+    total = 0
+    for p in model.parameters():
+        if hasattr(p, "to_local"):
+            p = p.to_local()
+        total += p.untyped_storage().nbytes() // p.element_size() if p.numel() else 0
+    return total
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A (small) DTensor such as a loss-parallel loss, reduced to the plain full tensor on every
+    rank; other tensors unchanged. Differentiable, so the loss can be backpropagated through it."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def init(device: torch.device, pcfg: ParallelismConfig) -> World:
+    """Start the process group (when launched with WORLD_SIZE > 1) and build the device mesh.
+
+    Raises UserError before any collective when the degrees do not match the world size."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.resolve(pcfg, size)
     if size == 1:
-        return World(device=device)
-    raise UserError(f"WORLD_SIZE={size}: multi-process training is not available in this build yet; "
-                    f"run with one process (torchrun --nproc_per_node=1)")
+        return World(device=device, dims=dims)
+    rank = int(os.environ["RANK"])
+    if not dist.is_initialized():
+        kw: dict[str, Any] = {}
+        if device.type != "cpu":
+            kw["device_id"] = device  # binds the rank to its device; lets the backend connect eagerly
+        dist.init_process_group(backend=devices.dist_backend(device),
+                                timeout=timedelta(seconds=pcfg.collective_timeout_s), **kw)
+    meshes = dims.build_meshes(device.type)
+    dp_mesh = meshes["dp"]
+    world = World(rank=rank, size=size, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
+                  device=device, meshes=meshes, dims=dims)
+    log.info("distributed: %s, backend %s, collective timeout %ds", dims.describe(),
+             dist.get_backend(), pcfg.collective_timeout_s)
+    return world

@@ -103,8 +103,13 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Qwen3Args
             eos_token_id=cfg.get("eos_token_id"),
         )
         if model_type == "qwen3_moe":
+            # transformers 5.x writes num_experts as num_local_experts (its attribute_map);
+            # published checkpoints say num_experts.
+            experts = cfg["num_experts"] if "num_experts" in cfg else cfg.get("num_local_experts")
+            if experts is None:
+                raise KeyError("num_experts")
             kw.update(
-                num_experts=int(cfg["num_experts"]),
+                num_experts=int(experts),
                 num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

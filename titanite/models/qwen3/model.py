@@ -1,7 +1,8 @@
 """Native Qwen3: single-device, plain PyTorch. Parallelism is applied from outside.
 
 Shapes: B batch, S sequence, H hidden, Hq/Hk query/key-value heads, D head_dim, V vocab.
-Replaceable math (norms, RoPE, attention, SwiGLU) goes through `titanite.kernels.op`.
+Replaceable math (norms, RoPE, attention, SwiGLU, MoE routing, dispatch and experts, the loss)
+goes through `titanite.kernels.op` call sites, bound from `[kernels]` by `kernels.attach`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 
 from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.qwen3.moe import GroupedExperts, MoE, TopKRouter
 
 
 class RMSNorm(nn.Module):
@@ -61,14 +63,18 @@ class Attention(nn.Module):
         self.rope = kernels.op("rope")
         self.attend = kernels.op("attention")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, S, _ = x.shape
         # Heads from the weights' sizes, so a tensor-parallel shard sees its local head count.
         q = self.q_norm(self.wq(x).view(B, S, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, S, D]
         k = self.k_norm(self.wk(x).view(B, S, -1, self.head_dim)).transpose(1, 2)  # [B, Hk, S, D]
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, Hk, S, D]
         q, k = self.rope(q, k, cos, sin)
-        out = self.attend(q, k, v, self.head_dim ** -0.5)  # [B, Hq, S, D]
+        if document_ids is None:  # one causal sequence per row
+            out = self.attend(q, k, v, self.head_dim ** -0.5)  # [B, Hq, S, D]
+        else:  # packed samples: block-causal
+            out = self.attend(q, k, v, self.head_dim ** -0.5, document_ids=document_ids)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -86,16 +92,35 @@ class FeedForward(nn.Module):
         return self.w2(self.swiglu(self.w1(x), self.w3(x)))
 
 
+class OutputHead(nn.Linear):
+    """The untied output projection [V, H]. With labels it returns the summed cross-entropy
+    through the `loss` op (by default chunked: the [N, V] logits are never held), computed
+    inside this module's forward so that FSDP's hooks gather its weight as for the logits."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__(hidden, vocab, bias=False)
+        self.loss = kernels.op("loss")
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return self.loss(h.flatten(0, -2), self.weight, labels.flatten(), kernels.IGNORE_INDEX)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, a: Qwen3Args, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.feed_forward = FeedForward(a.hidden_size, a.intermediate_size)
+        # Qwen3-MoE keeps some layers dense (mlp_only_layers, decoder_sparse_step).
+        self.feed_forward = (MoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok,
+                                 a.norm_topk_prob)
+                             if a.layer_is_moe(layer_id) else FeedForward(a.hidden_size, a.intermediate_size))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -110,25 +135,39 @@ class Qwen3(nn.Module):
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.output = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.output = None if args.tie_word_embeddings else OutputHead(args.hidden_size, args.vocab_size)
+        # The tied head's loss call site (an untied head, OutputHead, has its own).
+        self.loss = kernels.op("loss") if self.output is None else None
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: [B, S] int64 -> final normed hidden states [B, S, H]."""
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> final normed hidden states [B, S, H].
+
+        document_ids: optional int64 [B, S] marking packed samples; attention stays inside each
+        (position_ids should then restart at 0 for each sample)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rotary(position_ids, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, document_ids)
         return self.norm(h)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: [B, S] int64 -> logits [B, S, V]."""
-        h = self.hidden_states(input_ids, position_ids)
-        return h @ self.head_weight().t() if self.output is None else self.output(h)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> logits [B, S, V]. document_ids: see hidden_states.
+
+        With labels (int64 [B, S]): the fp32 cross-entropy summed over tokens whose label is not
+        kernels.IGNORE_INDEX, through the `loss` op, instead of the logits."""
+        h = self.hidden_states(input_ids, position_ids, document_ids)
+        if labels is None:
+            return h @ self.head_weight().t() if self.output is None else self.output(h)
+        if self.output is None:
+            return self.loss(h.flatten(0, -2), self.tok_embeddings.weight, labels.flatten(), kernels.IGNORE_INDEX)
+        return self.output(h, labels)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -138,11 +177,18 @@ class Qwen3(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, GroupedExperts):
+                module.init_weights(std)
+            elif isinstance(module, TopKRouter):  # its gate is an nn.Linear, initialised above
+                module.expert_bias.zero_()
         self.init_buffers()
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers; call after to_empty and after loading weights."""
         self.rotary.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, TopKRouter):
+                module.reset_buffers()
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:

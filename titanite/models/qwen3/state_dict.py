@@ -1,7 +1,13 @@
-"""Native <-> Hugging Face parameter names for Qwen3.
+"""Native <-> Hugging Face parameter names for Qwen3 and Qwen3-MoE.
 
 `to_hf` splits one native tensor into its HF tensors (works on meta tensors, so the loader can
 learn the expected HF names and shapes without touching data); `from_hf` is its inverse.
+
+MoE experts: published checkpoints (and transformers' save_pretrained) store each expert
+separately, `mlp.experts.{e}.{gate,up,down}_proj.weight`; natively they are stacked,
+w_gate_up [E, 2I, H] (gate rows, then up rows) and w_down [E, H, I]. The router's balancing
+bias (`expert_bias`) has no place in the Hugging Face layout: it is not exported, and a
+Hugging Face load starts it at zero.
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ _BLOCK = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
 }
+_EXPERTS_GATE_UP = "feed_forward.experts.w_gate_up"
+_EXPERTS_DOWN = "feed_forward.experts.w_down"
+_EXPERT_BIAS = "feed_forward.router.expert_bias"
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -43,12 +53,33 @@ class Qwen3StateDictAdapter:
         if name in _TOP:
             return [(_TOP[name], tensor)]
         m = _LAYER.fullmatch(name)
-        if m and m.group(2) in _BLOCK:
-            return [(f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}", tensor)]
+        if m is None:
+            raise KeyError(f"no Hugging Face name for native parameter '{name}'")
+        layer, suffix = m.groups()
+        if suffix in _BLOCK:
+            return [(f"model.layers.{layer}.{_BLOCK[suffix]}", tensor)]
+        experts = f"model.layers.{layer}.mlp.experts"
+        if suffix == _EXPERTS_GATE_UP:  # [E, 2I, H] -> per expert gate [I, H], up [I, H]
+            gates, ups = tensor.chunk(2, dim=1)
+            return [pair for e in range(tensor.shape[0])
+                    for pair in ((f"{experts}.{e}.gate_proj.weight", gates[e]),
+                                 (f"{experts}.{e}.up_proj.weight", ups[e]))]
+        if suffix == _EXPERTS_DOWN:  # [E, H, I] -> per expert [H, I]
+            return [(f"{experts}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+        if suffix == _EXPERT_BIAS:
+            return []
         raise KeyError(f"no Hugging Face name for native parameter '{name}'")
 
     def from_hf(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of `to_hf`: the HF tensors, in `to_hf`'s order, -> the native tensor."""
+        suffix = name.split(".", 2)[-1]
+        if suffix == _EXPERTS_GATE_UP:  # gate_0, up_0, gate_1, up_1, ...
+            return torch.stack([torch.cat(tensors[i:i + 2]) for i in range(0, len(tensors), 2)])
+        if suffix == _EXPERTS_DOWN:
+            return torch.stack(tensors)
+        if suffix == _EXPERT_BIAS:  # not in the HF layout: a zero that broadcasts over [E]
+            assert not tensors
+            return torch.zeros(())
         (t,) = tensors
         return t
 

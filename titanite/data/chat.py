@@ -1,0 +1,229 @@
+"""Chat data: conversation rows -> (token ids, labels) samples with assistant-only loss.
+
+A row holds `data.messages_field` (default "messages"): a list of `{role, content}` dicts, with
+roles system / user / assistant / tool (extra keys such as `reasoning_content` or `tool_calls`
+reach the template untouched). Rows come from JSON lines, parquet, or a `datasets`
+save_to_disk folder. The conversation is rendered with the tokenizer's chat template (see
+chat_template.py); `data.chat_loss` picks which tokens are learned.
+
+A malformed row (not JSON, no messages, unknown role, no assistant turn, a special token such as
+'<|im_end|>' written in the text, or a conversation the template rejects) stops the run naming
+its file and line, or is skipped and counted when `data.on_malformed = "skip"`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titanite.config import DataConfig
+from titanite.data.chat_template import ChatTemplate, ChatTemplateError, find_chat_template
+from titanite.data.sources import _decode, _is_saved_dataset, _list_files
+from titanite.data.tokenizer import Tokenizer
+from titanite.errors import UserError
+
+log = logging.getLogger("titanite")
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant", "tool")
+_CHAT_GLOBS = ("**/*.jsonl", "**/*.parquet")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_WARN_FIRST = 10  # malformed rows named in the log before only counting
+
+
+class MalformedRow(ValueError):
+    """This row cannot become a training sample; the message says why."""
+
+
+@dataclass
+class ChatStats:
+    """What the chat source read and skipped; filled in while iterating."""
+
+    files: int = 0
+    rows: int = 0
+    malformed_skipped: int = 0
+
+    def summary(self) -> str:
+        return f"{self.files} files, {self.rows} conversations ({self.malformed_skipped} malformed, skipped)"
+
+
+def load_chat_template(cfg: DataConfig, tokenizer: Tokenizer) -> ChatTemplate:
+    """The template chat data is rendered with; UserError when the tokenizer has none."""
+    template = find_chat_template(tokenizer.path, cfg.chat_template)
+    if template is None:
+        raise UserError(f"data.format = 'chat' needs a chat template, and the tokenizer at "
+                        f"{tokenizer.path.parent} has none (no chat_template.jinja, no chat_template in "
+                        "tokenizer_config.json); set data.chat_template to a .jinja file")
+    return template
+
+
+def tokenize_conversation(template: ChatTemplate, messages: list[dict[str, Any]],
+                          loss: str = "assistant") -> tuple[list[int], list[int]]:
+    """Render and tokenize one conversation.
+
+    Returns (input_ids, labels), two int lists of the same length T: labels[t] is the token at
+    t + 1 when that token carries loss, else IGNORE_INDEX (always so at t = T - 1).
+    `loss`: 'assistant', 'last_assistant' or 'all' (see data.chat_loss).
+    Raises MalformedRow when the template fails or its assistant turns cannot be found.
+    """
+    try:
+        text = template.render(messages)
+        n_assistant = sum(m["role"] == "assistant" for m in messages)
+        spans = template.assistant_spans(text, n_assistant)
+    except ChatTemplateError as e:
+        raise MalformedRow(str(e)) from None
+    ids, offsets = template.encode(text)
+    if loss == "all":
+        trained = [True] * len(ids)
+    else:
+        spans = spans[-1:] if loss == "last_assistant" else spans
+        trained = _tokens_in_spans(offsets, spans)
+    labels = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+    return ids, labels + [IGNORE_INDEX]
+
+
+def _tokens_in_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Whether each token's characters overlap a span. Both lists are sorted by position."""
+    out, j = [], 0
+    for start, end in offsets:
+        while j < len(spans) and spans[j][1] <= start:
+            j += 1
+        out.append(j < len(spans) and start < spans[j][1] and max(end, start + 1) > spans[j][0])
+    return out
+
+
+def check_messages(row: Any, field: str, template: ChatTemplate) -> list[dict[str, Any]]:
+    """The row's message list, validated. Raises MalformedRow saying what is wrong."""
+    if not isinstance(row, dict):
+        raise MalformedRow(f"expected an object with {field!r}, got {type(row).__name__}")
+    if field not in row:
+        raise MalformedRow(f"no field {field!r} (data.messages_field); the row has {sorted(row)}")
+    messages = row[field]
+    if not isinstance(messages, list) or not messages:
+        raise MalformedRow(f"{field!r} must be a non-empty list of messages, got {_short(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise MalformedRow(f"message {i} must be an object with 'role' and 'content', got {_short(m)}")
+        if m["role"] not in ROLES:
+            raise MalformedRow(f"message {i} has unknown role {m['role']!r}; roles: {', '.join(ROLES)}")
+        for key in ("content", "reasoning_content"):
+            value = m.get(key)
+            if key == "content" and not isinstance(value, str):
+                raise MalformedRow(f"message {i} content must be a string, got {_short(value)}")
+            if isinstance(value, str) and (tok := template.special_token_in(value)):
+                # It would be parsed as markup: a fake end of turn, or a forged header.
+                raise MalformedRow(f"message {i} {key} contains the special token {tok!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MalformedRow("the conversation has no assistant turn, so nothing to learn")
+    # parquet structs carry every key of the schema; a missing optional key arrives as None.
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def chat_samples(cfg: DataConfig, tokenizer: Tokenizer,
+                 stats: ChatStats) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Every usable conversation of the configured source, as (ids, labels) int32 arrays [T].
+
+    Over-long samples are returned whole: fitting them to seq_len is packing's job.
+    """
+    template = load_chat_template(cfg, tokenizer)
+    for where, row in _rows(cfg, stats):
+        stats.rows += 1
+        try:
+            if isinstance(row, MalformedRow):
+                raise row
+            messages = check_messages(row, cfg.messages_field, template)
+            ids, labels = tokenize_conversation(template, messages, cfg.chat_loss)
+        except MalformedRow as e:
+            if cfg.on_malformed == "error":
+                raise UserError(f"{where}: {e} (set data.on_malformed = 'skip' to leave such rows out)") from None
+            stats.malformed_skipped += 1
+            if stats.malformed_skipped <= _WARN_FIRST:
+                log.warning("skipping malformed chat row %s: %s", where, e)
+            continue
+        yield np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
+    if stats.malformed_skipped > _WARN_FIRST:
+        log.warning("skipped %d malformed chat rows in all", stats.malformed_skipped)
+
+
+def _rows(cfg: DataConfig, stats: ChatStats) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row; `where` is 'file:line' or 'file row N'. A JSON line that does
+    not parse comes as a MalformedRow instance, so the policy decides."""
+    if cfg.dataset_name:
+        raise UserError("data.format = 'chat' reads data.path; save the hub dataset with "
+                        "save_to_disk (or as parquet/JSON lines) and point data.path at it")
+    if not cfg.path:
+        raise UserError("no data: set data.path to a .jsonl/.parquet file or folder of chat rows")
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise UserError(f"data.path: {path} does not exist")
+    if path.is_dir() and _is_saved_dataset(path):
+        stats.files += 1
+        yield from _dataset_rows(path, cfg)
+        return
+    files = _list_files(path, (cfg.glob,) if cfg.glob else _CHAT_GLOBS, cfg) if path.is_dir() else [path]
+    for f in files[: cfg.max_files or None]:
+        kind = _SUFFIXES.get(f.suffix.lower())
+        if kind is None:
+            raise UserError(f"{f}: data.format = 'chat' reads .jsonl or .parquet files, not '{f.suffix}'")
+        if kind == "parquet":
+            stats.files += 1
+            yield from _parquet_rows(f, cfg.messages_field)
+            continue
+        text = _decode(f, cfg.on_decode_error)
+        if text is None:
+            continue
+        stats.files += 1
+        # split("\n"), not splitlines(): JSON strings may hold raw U+2028.
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{f}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{f}:{lineno}", MalformedRow(f"not valid JSON ({e.msg} at column {e.colno})")
+
+
+def _parquet_rows(f: Path, field: str) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{f}: cannot read as parquet: {e}") from e
+    if field not in pf.schema_arrow.names:
+        raise UserError(f"{f}: no column {field!r} (data.messages_field); columns: {pf.schema_arrow.names}")
+    row = 0
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            yield f"{f} row {row}", {field: value}
+            row += 1
+
+
+def _dataset_rows(path: Path, cfg: DataConfig) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.split not in ds:
+            raise UserError(f"data.split = {cfg.split!r} is not in {path}; splits: {list(ds)}")
+        ds = ds[cfg.split]
+    if cfg.messages_field not in ds.column_names:
+        raise UserError(f"{path}: no column {cfg.messages_field!r} (data.messages_field); "
+                        f"columns: {ds.column_names}")
+    row = 0
+    for batch in ds.select_columns([cfg.messages_field]).iter(batch_size=1024):
+        for value in batch[cfg.messages_field]:
+            yield f"{path} row {row}", {cfg.messages_field: value}
+            row += 1
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

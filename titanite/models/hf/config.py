@@ -1,0 +1,83 @@
+"""The transformers config for the hf backend, from a checkpoint's config.json or a named flavor.
+
+config.json is the authority. transformers reads it through its config classes, which fill gaps
+with library defaults (e.g. Qwen3-MoE's `router_aux_loss_coef = 0.001`) and have, in some
+releases, replaced stated values (RoPE theta forced to 1e4). So every value that changes the
+math is read a second time by titanite's own parser (`from_hf_config`, shared with the native
+backend) and the transformers config is pinned to it. Both backends therefore run the same math
+from the same file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+from titanite.checkpoint.safetensors_io import read_hf_config
+from titanite.config import ModelConfig
+from titanite.errors import UserError
+from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config
+from titanite.models.qwen3.flavors import get_flavor
+
+log = logging.getLogger("titanite")
+
+# Qwen3Args field -> transformers config attribute (rope_theta lives in rope_parameters).
+_ATTRIBUTE = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
+    "num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size", "norm_topk_prob": "norm_topk_prob",
+    "decoder_sparse_step": "decoder_sparse_step", "mlp_only_layers": "mlp_only_layers",
+    "router_aux_loss_coef": "router_aux_loss_coef", "output_router_logits": "output_router_logits",
+    "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+}
+
+
+def resolve(cfg: ModelConfig) -> tuple[PretrainedConfig, Qwen3Args, dict[str, Any] | None]:
+    """(transformers config pinned to the checkpoint, the same architecture as Qwen3Args, the
+    checkpoint's config.json dict or None for a flavor)."""
+    if cfg.hf_path:
+        where = f"{cfg.hf_path}/config.json"
+        source = read_hf_config(cfg.hf_path)
+        args = from_hf_config(source, where=where)
+        try:
+            # Remote code runs only when the user asked for it: off, a known model_type uses the
+            # library's own class and any `auto_map` in config.json is ignored.
+            config = AutoConfig.from_pretrained(cfg.hf_path, trust_remote_code=cfg.trust_remote_code)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            raise UserError(f"{where}: transformers cannot read it: {e}") from e
+    else:
+        where = f"flavor '{cfg.flavor}'"
+        args, source = get_flavor(cfg.flavor), None
+        fields = to_hf_config(args)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    pin(config, args, where)
+    return config, args, source
+
+
+def args_of(config: PretrainedConfig, where: str) -> Qwen3Args:
+    """How transformers' config object reads, as titanite's architecture arguments."""
+    return from_hf_config(config.to_dict(), where=f"transformers' reading of {where}")
+
+
+def pin(config: PretrainedConfig, want: Qwen3Args, where: str) -> None:
+    """Set every math-relevant value of `config` that differs from `want` back to `want`."""
+    got = args_of(config, where)
+    for f in dataclasses.fields(Qwen3Args):
+        have, value = getattr(got, f.name), getattr(want, f.name)
+        if have == value:
+            continue
+        # `value` is what the file states, or titanite's documented default where it is silent.
+        log.warning("%s: transformers' config has %s=%r but %s gives %r; using %r",
+                    type(config).__name__, f.name, have, where, value, value)
+        if f.name == "rope_theta":
+            rope = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": value}
+            config.rope_parameters = rope
+        else:
+            setattr(config, _ATTRIBUTE[f.name], list(value) if isinstance(value, tuple) else value)
+    assert args_of(config, where) == want, f"could not pin {type(config).__name__} to {where}"

@@ -1,0 +1,96 @@
+"""A transformers causal LM behind titanite's model interface.
+
+`HFCausalLM` owns the transformers model as `self.hf`, so its state-dict keys are
+`hf.` + transformers' in-memory names. It adds what a model built on the meta device and
+materialised with `to_empty` needs and transformers does not do at that point: re-tying the
+embedding and the head, and recomputing the RoPE buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import ModelOutput
+
+from titanite.models.qwen3.args import Qwen3Args
+
+
+class HFCausalLM(nn.Module):
+    def __init__(self, hf: PreTrainedModel, args: Qwen3Args) -> None:
+        super().__init__()
+        self.hf = hf
+        self.args = args  # the same architecture in titanite's terms (FLOPs, MoE settings)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> logits [B, S, V]. document_ids: see `run`."""
+        return self.run(input_ids, position_ids, document_ids).logits
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+            document_ids: torch.Tensor | None = None, output_router_logits: bool = False) -> ModelOutput:
+        """The transformers forward without a KV cache. document_ids: [B, S] int, optional: a
+        token attends only to earlier tokens of its own document (packed samples). With
+        output_router_logits (MoE only) the output carries transformers' unscaled `aux_loss`."""
+        kw = {"output_router_logits": True} if output_router_logits else {}
+        mask = None if document_ids is None else document_causal_mask(document_ids)
+        return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                       use_cache=False, **kw)
+
+    # -- after materialising ----------------------------------------------------------------
+
+    def tie(self) -> None:
+        """Re-tie the head to the embedding. `to_empty` gives each module its own new tensor,
+        which would silently train the two as separate weights."""
+        if not self.args.tie_word_embeddings:
+            return
+        self.hf.tie_weights()
+        assert self.hf.get_output_embeddings().weight is self.hf.get_input_embeddings().weight
+
+    def init_buffers(self) -> None:
+        """Re-tie, and recompute the RoPE inverse frequencies, which `to_empty` leaves as
+        uninitialised memory (they are non-persistent: no checkpoint restores them)."""
+        self.tie()
+        for name, module in self.hf.named_modules():
+            own = {n for n, _ in module.named_buffers(recurse=False)}
+            if not own:
+                continue
+            assert own <= {"inv_freq", "original_inv_freq"} and hasattr(module, "rope_type"), \
+                f"{name} has buffers {sorted(own)} that titanite does not know how to rebuild"
+            device = module.inv_freq.device
+            fn = (module.compute_default_rope_parameters if module.rope_type == "default"
+                  else ROPE_INIT_FUNCTIONS[module.rope_type])
+            inv_freq, module.attention_scaling = fn(module.config)
+            # Reassigned, not copied into: it stays fp32 even after model.to(bfloat16).
+            module.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+            module.original_inv_freq = module.inv_freq.clone()
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """Random init (seed first): normal(0, std) for every matrix (embeddings, projections,
+        the head when untied, MoE routers and fused expert weights), ones for norm weights.
+        Parameters are drawn once each, in module order, which is also the native model's order
+        for dense Qwen3, so both backends start from the same weights for the same seed."""
+        self.tie()
+        seen: set[int] = set()
+        for name, module in self.hf.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in seen:  # a tied head: already drawn as the embedding
+                    continue
+                seen.add(id(p))
+                if p.ndim >= 2:
+                    nn.init.normal_(p, mean=0.0, std=std)
+                else:
+                    assert "RMSNorm" in type(module).__name__, f"no init rule for {name}.{pname}"
+                    nn.init.ones_(p)
+        self.init_buffers()
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] document ids -> bool mask [B, 1, S, S], True where query i may attend key j:
+    j <= i and both tokens in the same document."""
+    S = document_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, S, S]
+    return (same & causal)[:, None]

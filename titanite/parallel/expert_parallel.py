@@ -1,0 +1,95 @@
+"""Expert parallelism for the native MoE: experts sharded over the `ep` ranks, tokens exchanged
+with all-to-all.
+
+The router and dispatcher run unchanged on every rank over its own tokens and hand the experts
+rows sorted by global expert id with per-expert counts. Expert parallelism replaces only the
+experts' forward: rank r holds experts [r*E/ep, (r+1)*E/ep) (the stacked weights are sharded on
+dim 0); each rank sends every row to the rank that owns its expert, runs its local experts on
+what it received, and sends the results back to where the rows came from, in their original
+order. The dispatcher then combines them as on one device.
+
+    rows [N, H] by global expert --all-to-all--> [M, H] by (source rank, local expert)
+      --sort--> by (local expert, source rank) --experts--> --unsort--> --all-to-all--> [N, H]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from titanite.models.qwen3.moe import GroupedExperts
+
+
+@contextlib.contextmanager
+def _local_shards(module: nn.Module) -> Iterator[None]:
+    """Within the block, `module.<param>` reads as this rank's local shard (a plain tensor that
+    backpropagates into the DTensor parameter), so the module's own single-device forward runs
+    on its local experts. An instance attribute shadows the registered parameter; FSDP's
+    parameter swaps (in `_parameters`) are not disturbed."""
+    names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+    for name in names:
+        module.__dict__[name] = getattr(module, name).to_local()
+    try:
+        yield
+    finally:
+        for name in names:
+            del module.__dict__[name]
+
+
+def _exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts: [E] rows this rank sends to each global expert -> [ep, E/ep]: rows each source
+    rank sends to each of this rank's experts."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)  # E/ep counts to each rank
+    return received.view(ep, -1)
+
+
+def expert_parallel_forward(experts: nn.Module, mesh: DeviceMesh):
+    """The replacement `forward(x, counts)` for a `GroupedExperts` whose stacked weights are
+    sharded over `mesh` (1-D, the ep ranks). x: [N, H] rows sorted by global expert; counts:
+    [E] int64 rows per global expert. Returns [N, H]: row n through its expert's SwiGLU."""
+    group = mesh.get_group()
+    ep = mesh.size()
+    local_forward = type(experts).forward  # the single-device forward, on local weights
+
+    def forward(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        received = _exchange_counts(counts, ep, group)  # [ep, E/ep]
+        # Rows per peer rank are needed on the host to size the exchange (one sync per layer).
+        send_splits = counts.view(ep, -1).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        rows = all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group)  # [M, H]
+        # Received rows are grouped by (source rank, local expert); the experts need them grouped
+        # by local expert. A stable sort on (expert, source) keeps token order inside each group.
+        segment = torch.repeat_interleave(torch.arange(received.numel(), device=x.device), received.flatten())
+        source, expert = segment // received.shape[1], segment % received.shape[1]
+        order = torch.argsort(expert * ep + source, stable=True)
+        with _local_shards(experts):
+            out = local_forward(experts, rows[order], received.sum(dim=0))
+        out = torch.zeros_like(out).index_copy(0, order, out)  # undo the sort
+        return all_to_all_single_autograd(out, send_splits, recv_splits, group)
+
+    return forward
+
+
+def apply_expert_parallel_qwen3(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard every MoE layer's experts over `ep_mesh` in place; returns the expert modules (FSDP
+    then shards their weights over the ranks that hold the same experts)."""
+    groups = []
+    for block in model.layers:
+        experts = getattr(block.feed_forward, "experts", None)
+        if not isinstance(experts, GroupedExperts):
+            continue  # a dense layer (mlp_only_layers, decoder_sparse_step)
+        for name, full in list(experts.named_parameters(recurse=False)):  # stacked: [E, ...]
+            sharded = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+        experts.forward = expert_parallel_forward(experts, ep_mesh)
+        groups.append(experts)
+    assert groups, "expert parallelism on a model without MoE layers (checked in ParallelDims.check_model)"
+    return groups

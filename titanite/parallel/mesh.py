@@ -1,0 +1,102 @@
+"""Parallel degrees from `[parallelism]`, their checks, and the device mesh built from them.
+
+The world is laid out as `dp_replicate x dp_shard x tp` ranks (tp innermost, so a tensor-parallel
+group sits on neighbouring ranks, i.e. inside one node). Expert parallelism borrows its ranks from
+dp_shard: an `ep` group is `ep` neighbouring dp_shard ranks, and the experts are sharded across
+it instead of being FSDP-sharded there. Every other parameter is FSDP-sharded over all of
+dp_shard, as without EP. Every data-parallel rank (dp_replicate x dp_shard, ep included) reads
+its own slice of the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titanite.config import ParallelismConfig
+from titanite.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, p: ParallelismConfig, world_size: int) -> ParallelDims:
+        """Fill in dp_shard = -1 and check that the degrees multiply to the world size."""
+        dp_shard = p.dp_shard
+        if dp_shard == -1:
+            rest = p.dp_replicate * p.tp
+            if world_size % rest:
+                raise UserError(
+                    f"parallelism.dp_replicate ({p.dp_replicate}) x parallelism.tp ({p.tp}) = {rest} does not "
+                    f"divide the world size {world_size}, so parallelism.dp_shard = -1 cannot take the rest")
+            dp_shard = world_size // rest
+        product = p.dp_replicate * dp_shard * p.tp
+        if product != world_size:
+            raise UserError(
+                f"parallelism.dp_replicate ({p.dp_replicate}) x dp_shard ({dp_shard}) x tp ({p.tp}) = {product}, "
+                f"but the world size is {world_size} (torchrun --nnodes x --nproc_per_node); make the product "
+                f"match or set parallelism.dp_shard = -1")
+        if dp_shard % p.ep:
+            raise UserError(
+                f"parallelism.ep ({p.ep}) must divide parallelism.dp_shard ({dp_shard}): expert-parallel ranks "
+                f"are taken from the sharded data-parallel ranks")
+        if p.compile and p.tp > 1:
+            # Compiled blocks fail in backward at the sequence-parallel redistributions.
+            raise UserError(f"parallelism.compile = true together with parallelism.tp ({p.tp}) is not supported; "
+                            f"turn one of them off")
+        if p.ep > 1 and p.tp > 1:
+            raise UserError(f"parallelism.ep ({p.ep}) together with parallelism.tp ({p.tp}) is not supported; "
+                            f"use one of them for MoE models")
+        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads a different slice of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def check_model(self, hf_config: dict[str, Any]) -> None:
+        """Degrees that must divide the architecture (from the model's config.json dict)."""
+        where = "the model (config.json)"
+        checks = []
+        if self.tp > 1:
+            checks += [("tp", self.tp, "num_attention_heads"), ("tp", self.tp, "num_key_value_heads"),
+                       ("tp", self.tp, "vocab_size"), ("tp", self.tp, "intermediate_size")]
+        if self.ep > 1:
+            if not hf_config.get("num_experts"):
+                raise UserError(f"parallelism.ep = {self.ep} but {where} is dense (no num_experts); set ep = 1")
+            checks.append(("ep", self.ep, "num_experts"))
+        for key, degree, field in checks:
+            value = hf_config.get(field)
+            if value is None or value % degree:
+                raise UserError(f"parallelism.{key} ({degree}) must divide {field} ({value}) of {where}")
+        if self.tp > 1 and hf_config.get("num_experts"):
+            raise UserError(f"parallelism.tp ({self.tp}) with an MoE model is not supported; "
+                            f"shard the experts with parallelism.ep instead")
+
+    def build_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
+        """The device meshes, by role. 'world' is (dp_replicate, dp_shard, tp); 'dp' its flattened
+        data-parallel ranks; 'fsdp' the FSDP mesh (1-D dp_shard, or 2-D (dp_replicate, dp_shard)
+        for HSDP); 'tp'. With EP, dp_shard is split into (dp_shard_mod_ep, ep): 'ep' shards the
+        experts and 'fsdp_experts' FSDP-shards them over the ranks that hold the same experts."""
+        names = ("dp_replicate", "dp_shard", "tp")
+        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
+        meshes = {"world": world, "dp": world["dp_replicate", "dp_shard"]._flatten("dp"), "tp": world["tp"]}
+        meshes["fsdp"] = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
+        if self.ep > 1:
+            split = world._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+            meshes["ep"] = split["ep"]
+            meshes["fsdp_experts"] = (split["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1
+                                      else split["dp_shard_mod_ep"])
+        return meshes
+
+    def describe(self) -> str:
+        parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"ep={self.ep}"]
+        return f"{self.world_size} ranks ({', '.join(parts)})"

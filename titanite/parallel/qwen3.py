@@ -1,0 +1,45 @@
+"""Parallelising the native Qwen3 (dense and MoE): the order the pieces are applied in.
+
+Tensor parallel, then expert parallel (both turn parameters into DTensors), then activation
+checkpointing and compile per block, then FSDP on top: each block is one FSDP group; the
+embeddings, final norm and head are grouped so that a tied embedding/head matrix is one
+parameter in one group.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titanite.config import Config
+from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
+from titanite.parallel.distributed import World
+from titanite.parallel.fsdp import shard_model, uses_fsdp
+from titanite.parallel.tensor_parallel import apply_tensor_parallel_qwen3
+
+
+def parallelize_qwen3(model: nn.Module, world: World, cfg: Config) -> nn.Module:
+    """Apply `cfg.parallelism` to a materialised native Qwen3, in place; returns it."""
+    p = cfg.parallelism
+    dims = world.dims
+    if dims is not None and dims.tp > 1:
+        apply_tensor_parallel_qwen3(model, world.meshes["tp"])
+        # The fused head + loss op takes a whole [V, H] head; with a vocabulary-sharded head the
+        # model returns sharded logits and the trainer's cross-entropy runs under loss_parallel.
+        model.loss_from_logits = True
+    expert_params: list = []
+    if dims is not None and dims.ep > 1:
+        from titanite.parallel.expert_parallel import apply_expert_parallel_qwen3
+
+        expert_params = [p for m in apply_expert_parallel_qwen3(model, world.meshes["ep"]) for p in m.parameters()]
+    blocks = list(model.layers)
+    apply_activation_checkpointing(blocks, p.activation_checkpoint)
+    if p.compile:
+        apply_compile(blocks)
+    if uses_fsdp(world):
+        groups: list = blocks
+        if model.output is not None:
+            # Untied: the embedding and the head are separate groups; the root keeps nothing.
+            groups = [model.tok_embeddings, *blocks, [model.norm, model.output]]
+        # Tied: the shared matrix, the embedding and the head stay in the root group.
+        shard_model(model, groups, world, cfg.training.mixed_precision, expert_params)
+    return model

@@ -1,0 +1,74 @@
+"""Tensor-parallel plans (DTensor) for the native Qwen3, with sequence parallel norms and a
+vocabulary-parallel head.
+
+Inside a block: q/k/v and gate/up projections are column-parallel (each rank holds whole heads
+and a slice of the MLP), o and down projections row-parallel. Between blocks the residual
+stream is sharded over the sequence (sequence parallel), so the RMSNorms run on S/tp tokens; it
+is all-gathered before attention and the MLP and reduce-scattered after them. The embedding is
+sharded over the vocabulary, and so are the logits: the cross-entropy runs across the shards
+(`loss_parallel`), never gathering the [B, S, V] logits.
+
+The per-head q/k norms see this rank's heads only: they are treated as sequence parallel over
+the head dimension, so their (replicated) weights get gradients summed over all heads.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+
+def _gather_sequence(mesh: DeviceMesh):
+    """Forward pre-hook: the module's first input arrives sequence-sharded [B, S/tp, H] and is
+    all-gathered to [B, S, H] (a plain tensor); other inputs (RoPE tables, document ids) pass."""
+
+    def hook(_module: nn.Module, args: tuple):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(placements=[Replicate()]).to_local(), *args[1:])
+
+    return hook
+
+
+def _block_plan() -> dict:
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),  # [B, S, Hq/tp, D]
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _replicate_output(_module: nn.Module, _inputs, output):
+    # The tied head multiplies the final hidden states by the vocab-sharded embedding matrix;
+    # that needs every token on every rank.
+    return output.redistribute(placements=[Replicate()])
+
+
+def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard a materialised native Qwen3 (dense) in place over the 1-D `tp_mesh`."""
+    top = {
+        # Rows of the embedding are vocabulary ids; the output is reduce-scattered to the
+        # sequence-sharded residual stream.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, top)
+    if model.output is None:
+        model.norm.register_forward_hook(_replicate_output)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, _block_plan())
+        block.attention.register_forward_pre_hook(_gather_sequence(tp_mesh))
+        block.feed_forward.register_forward_pre_hook(_gather_sequence(tp_mesh))
