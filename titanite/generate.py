@@ -248,23 +248,12 @@ def _from_hf_folder(folder: Path, tokenizer_folder: Path, chat_template: str,
 
 
 def _from_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str | torch.device) -> Generator:
-    from titanite.checkpoint import training_state
     from titanite.checkpoint.hf_weights import export_hf
-    from titanite.config import load_config
     from titanite.data.tokenizer import load_tokenizer
-    from titanite.models.spec import get_spec
+    from titanite.export import load_checkpoint_model
 
-    config_file = checkpoint / "config.toml"
-    if not config_file.is_file():
-        raise UserError(f"{checkpoint} has no config.toml: not a titanite checkpoint folder")
-    cfg = load_config(config_file)
+    cfg, spec, model = load_checkpoint_model(checkpoint)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
-    spec = get_spec(cfg.model.spec)
-    model = spec.build(cfg.model)
-    model.to_empty(device="cpu")
-    spec.init_buffers(model)
-    with torch.no_grad():
-        training_state.load(checkpoint, model, optimizer=None)
     sources = [Path(cfg.model.hf_path)] if cfg.model.hf_path else []
     if spec.name != "qwen3":
         # Another backend's model: go through its HF export, which the native model loads.
