@@ -5,8 +5,8 @@ Default shape: Qwen3-30B-A3B's routing (top-8 of many experts, norm_topk_prob) s
 CPU: hidden and expert sizes 4x smaller (2048 -> 512, 768 -> 192), 64 experts, 1024 tokens per
 step (128 routed rows per expert on average, as 128 experts at 2048 tokens).
 
-    .venv/bin/python benchmarks/moe.py                          # the docs/performance.md table
-    .venv/bin/python benchmarks/moe.py --experts 128 --tokens 2048 --rounds 5
+    .venv/bin/python benchmarks/moe.py --profile                # the docs/performance.md tables
+    .venv/bin/python benchmarks/moe.py --experts 128 --tokens 2048 --profile
 
 Rows:
 - titanite reference: the `moe.experts` reference, a plain per-expert loop.
@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = PyTorch's default")
     p.add_argument("--max-gather-gb", type=float, default=2.0,
                    help="run transformers batched_mm only if its per-forward weight gather stays under this")
+    p.add_argument("--profile", action="store_true",
+                   help="also report each row's summed op CPU time (torch.profiler, 3 steps): the work done, "
+                        "much less sensitive to other processes than wall time")
     p.add_argument("--row", default="", help=argparse.SUPPRESS)  # internal: time one row, print JSON
     return p.parse_args(argv)
 
@@ -126,7 +129,15 @@ def time_row(a: argparse.Namespace) -> None:
     step(layer, x, g)
     t0, c0 = time.perf_counter(), time.process_time()
     step(layer, x, g)
-    print(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
+    result = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}
+    if a.profile:
+        with torch.profiler.profile() as prof:
+            for _ in range(3):
+                step(layer, x, g)
+        ops = prof.key_averages()
+        result["op_cpu"] = sum(e.self_cpu_time_total for e in ops) / 3 / 1e6  # s per step
+        result["mm_share"] = sum(e.self_cpu_time_total for e in ops if e.key == "aten::mm") / 3 / 1e6 / result["op_cpu"]
+    print(json.dumps(result))
 
 
 def main() -> None:
@@ -149,6 +160,7 @@ def main() -> None:
     # allocator in a state that measurably slows whatever runs next in the same process.
     wall: dict[str, list[float]] = {name: [] for name in rows}
     cpu: dict[str, list[float]] = {name: [] for name in rows}
+    op_cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
     for _ in range(a.rounds):
         for name in rows:
             proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], f"--row={name}"],
@@ -156,6 +168,8 @@ def main() -> None:
             t = json.loads(proc.stdout.strip().splitlines()[-1])
             wall[name].append(t["wall"])
             cpu[name].append(t["cpu"])
+            if a.profile:
+                op_cpu[name].append((t["op_cpu"], t["mm_share"]))
 
     # Best of the rounds: other processes only ever add time, so the minimum is the least noisy.
     best = {name: min(ts) for name, ts in wall.items()}
@@ -175,6 +189,13 @@ def main() -> None:
         print(f"| {name} | {best[name] * 1e3:.0f} | {tps[name]:.0f} | {cpu_best[name] * 1e3:.0f} | "
               f"{best[ref] / best[name]:.2f}x / {cpu_best[ref] / cpu_best[name]:.2f}x | "
               f"{best[best_hf] / best[name]:.2f}x / {cpu_best[best_hf] / cpu_best[name]:.2f}x |")
+    if a.profile:
+        print()
+        print("| implementation | op CPU ms / step (profiler, best round) | share in aten::mm |")
+        print("| --- | ---: | ---: |")
+        for name in rows:
+            work, share = min(op_cpu[name])
+            print(f"| {name} | {work * 1e3:.0f} | {share:.0%} |")
 
 
 if __name__ == "__main__":
