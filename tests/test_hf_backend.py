@@ -95,7 +95,7 @@ def test_export_is_the_hub_layout_bitwise(tmp_path, case):
     assert (transformers_model(out)(x).logits - model(x)).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug-untied"])
+@pytest.mark.parametrize("flavor", ["debug", "debug-untied", "debug-moe-mixed"])
 def test_flavor_builds_the_same_model_under_both_specs(flavor):
     """A flavor maps to the equivalent transformers config, and the same seed draws the same
     random init, so a config file runs under either spec unchanged."""

@@ -32,7 +32,8 @@ class HFCausalLM(nn.Module):
             document_ids: torch.Tensor | None = None, output_router_logits: bool = False) -> ModelOutput:
         """The transformers forward without a KV cache. document_ids: [B, S] int, optional: a
         token attends only to earlier tokens of its own document (packed samples). With
-        output_router_logits (MoE only) the output carries transformers' unscaled `aux_loss`."""
+        output_router_logits (MoE only) the output also carries each sparse layer's
+        `router_logits` [T, E] and transformers' unscaled load-balancing `aux_loss`."""
         kw = {"output_router_logits": True} if output_router_logits else {}
         mask = None if document_ids is None else document_causal_mask(document_ids)
         return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
@@ -70,21 +71,35 @@ class HFCausalLM(nn.Module):
     def init_weights(self, std: float) -> None:
         """Random init (seed first): normal(0, std) for every matrix (embeddings, projections,
         the head when untied, MoE routers and fused expert weights), ones for norm weights.
-        Parameters are drawn once each, in module order, which is also the native model's order
-        for dense Qwen3, so both backends start from the same weights for the same seed."""
+        Each parameter is drawn once, in the native model's order (module order, with each MoE
+        router before its experts), so both backends start from the same weights for a seed."""
         self.tie()
+        for name, module, p in self._init_order():
+            if p.ndim >= 2:
+                nn.init.normal_(p, mean=0.0, std=std)
+            else:
+                assert "RMSNorm" in type(module).__name__, f"no init rule for {name}"
+                nn.init.ones_(p)
+        self.init_buffers()
+
+    def _init_order(self) -> list[tuple[str, nn.Module, nn.Parameter]]:
+        """(name, owning module, parameter) once per parameter, in the native model's order."""
+        order: list[tuple[str, nn.Module, nn.Parameter]] = []
         seen: set[int] = set()
-        for name, module in self.hf.named_modules():
+        for mname, module in self.hf.named_modules():
             for pname, p in module.named_parameters(recurse=False):
-                if id(p) in seen:  # a tied head: already drawn as the embedding
+                if id(p) in seen:  # a tied head is the embedding, already listed
                     continue
                 seen.add(id(p))
-                if p.ndim >= 2:
-                    nn.init.normal_(p, mean=0.0, std=std)
-                else:
-                    assert "RMSNorm" in type(module).__name__, f"no init rule for {name}.{pname}"
-                    nn.init.ones_(p)
-        self.init_buffers()
+                name = f"{mname}.{pname}"
+                at = len(order)
+                if name.endswith(".mlp.gate.weight"):
+                    # transformers registers a sparse block's experts before its router; the
+                    # native model the other way round.
+                    experts = name.removesuffix("gate.weight") + "experts."
+                    at = next((j for j, (n, _, _) in enumerate(order) if n.startswith(experts)), at)
+                order.insert(at, (name, module, p))
+        return order
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
