@@ -20,7 +20,7 @@ from titanite import kernels  # noqa: E402
 from titanite.kernels import registry  # noqa: E402
 from titanite.kernels.verify import verify  # noqa: E402
 
-BUILTIN = {("attention", "sdpa"), ("rms_norm", "triton"), ("swiglu", "triton"), ("moe.experts", "grouped_mm"),
+BUILTIN = {("attention", "sdpa"), ("moe.dispatch", "gather"), ("rms_norm", "triton"), ("swiglu", "triton"), ("moe.experts", "grouped_mm"),
            ("moe.experts", "triton"), ("loss", "chunked")}
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from titanite import kernels
 from titanite.config import ModelConfig
 from titanite.errors import UserError
+from titanite.kernels.attach import default_impl
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.models.qwen3.model import Qwen3
 from titanite.models.qwen3.moe import MoE, TopKRouter, expert_counts
@@ -96,6 +97,71 @@ def test_default_experts_match_the_loop_reference_with_idle_experts(dtype):
     torch.testing.assert_close(gx, gx_ref, **tol)
     for n in gp:
         torch.testing.assert_close(gp[n], gp_ref[n], **tol, msg=n)
+
+
+def _layer_outputs(layer: MoE, x: torch.Tensor, g: torch.Tensor):
+    xi = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = layer(xi)
+    (y * g).sum().backward()
+    return [y.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+
+
+def _twin_layers(hidden, intermediate, num_experts, top_k, dtype=torch.float32):
+    torch.manual_seed(0)
+    layer = MoE(hidden, intermediate, num_experts, top_k, norm_topk_prob=True)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    layer.router.expert_bias.zero_()
+    twin = MoE(hidden, intermediate, num_experts, top_k, norm_topk_prob=True)
+    twin.load_state_dict(layer.state_dict())
+    return layer.to(dtype), twin.to(dtype)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_gather_dispatch_matches_the_reference_deterministically(top_k):
+    """The default dispatch (gathers in both directions) against the reference's indexing:
+    identical outputs, gradients equal up to the summation order over the k slots, and it runs
+    with deterministic algorithms enforced (its backward has no scatter-add)."""
+    layer, reference = _twin_layers(48, 32, 8, top_k)
+    reference.dispatcher.kernel.bind(kernels.implementations("moe.dispatch")["reference"])
+    assert layer.dispatcher.kernel.impl is None  # unbound: the op's default runs
+    assert default_impl("moe.dispatch", "cpu", torch.float32).name == "gather"
+    x, g = torch.randn(2, 19, 48), torch.randn(2, 19, 48)
+    torch.use_deterministic_algorithms(True)
+    try:
+        ours = _layer_outputs(layer, x, g)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    ref = _layer_outputs(reference, x, g)
+    assert torch.equal(ours[0], ref[0])
+    for a, b in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_experts_run_sizes_grouped_mm_cannot(dtype, caplog):
+    """torch._grouped_mm needs 16-byte-aligned rows; at other hidden / expert sizes the default
+    experts say so once and compute the same as the loop reference instead of failing in backward."""
+    layer, reference = _twin_layers(30, 10, 4, 2, dtype)
+    reference.experts.kernel.bind(kernels.implementations("moe.experts")["reference"])
+    x, g = torch.randn(1, 7, 30, dtype=dtype), torch.randn(1, 7, 30, dtype=dtype)
+    with caplog.at_level("WARNING", logger="titanite"):
+        ours = _layer_outputs(layer, x, g)
+    assert "multiples of" in caplog.text and "hidden size 30" in caplog.text
+    for a, b in zip(ours, _layer_outputs(reference, x, g)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_compiled_moe_layer_keeps_the_math():
+    """torch.compile over an fp32 MoE layer (grouped_mm's compiled form is bf16-only, so fp32
+    experts run outside the graph) gives the eager layer's outputs and gradients."""
+    layer, twin = _twin_layers(64, 32, 8, 2)
+    x, g = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    eager = _layer_outputs(layer, x, g)
+    for a, b in zip(_layer_outputs(torch.compile(twin), x, g), eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def count_params(args) -> tuple[float, float]:

@@ -36,7 +36,7 @@ DEFAULTS: dict[str, tuple[str, ...]] = {
     "rope": (registry.REFERENCE,),
     "swiglu": (registry.REFERENCE,),
     "moe.router": (registry.REFERENCE,),
-    "moe.dispatch": (registry.REFERENCE,),
+    "moe.dispatch": ("gather", registry.REFERENCE),
     "moe.experts": ("grouped_mm", registry.REFERENCE),
     "loss": ("chunked", registry.REFERENCE),
 }

@@ -1,6 +1,6 @@
 """Registers titanite's built-in implementations (imported by the registry on first use).
 
-attention: sdpa, flex (CUDA). moe.experts: grouped_mm, triton. rms_norm, swiglu: triton.
+attention: sdpa, flex (CUDA). moe.dispatch: gather. moe.experts: grouped_mm, triton. rms_norm, swiglu: triton.
 loss: chunked. Every op also has its `reference`.
 """
 
