@@ -37,7 +37,7 @@ class JobConfig:
 class ModelConfig:
     spec: str = _f("qwen3", "Model backend: 'qwen3' (native) or 'hf' (transformers AutoModelForCausalLM).",
                    choices=("qwen3", "hf"))
-    flavor: str = _f("debug", "Named architecture (e.g. 'debug', '0.6B', '4B'). Ignored when hf_path is set.")
+    flavor: str = _f("debug", "Named architecture (e.g. 'debug', '0.6B', '4B', 'debug-moe', '30B-A3B'). Ignored when hf_path is set.")
     hf_path: str = _f("", "Local Hugging Face folder. Its config.json decides the architecture; its weights are loaded unless init='random'.")
     init: str = _f("auto", "'auto' (load hf_path weights when present, else random), 'pretrained' (require weights), 'random'.",
                    choices=("auto", "pretrained", "random"))
