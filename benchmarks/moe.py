@@ -9,11 +9,14 @@ step (128 routed rows per expert on average, as 128 experts at 2048 tokens).
     .venv/bin/python benchmarks/moe.py --experts 128 --tokens 2048 --profile
 
 Rows:
-- titanite reference: the `moe.experts` reference, a plain per-expert loop.
+- titanite reference: the `moe.experts` and `moe.dispatch` references (a plain per-expert
+  loop; indexing whose backward scatter-adds).
 - titanite loop over unbind views: the same loop taking each expert's weights from one
   `unbind` (its backward is a single stack instead of a full-size zero gradient per expert);
-  not an implementation titanite ships, it shows where the reference's time goes.
-- titanite grouped_mm: the default, torch._grouped_mm.
+  what grouped_mm experts fall back to at sizes _grouped_mm cannot take. Reference dispatch.
+- titanite grouped_mm, reference dispatch: torch._grouped_mm experts, reference dispatch.
+- titanite grouped_mm (default): torch._grouped_mm experts with the `gather` dispatch (both
+  directions of the permutation are gathers), the native model's defaults.
 - transformers eager / batched_mm / grouped_mm: Qwen3MoeSparseMoeBlock with that
   experts_implementation.
 
@@ -75,7 +78,9 @@ def build_rows(a, dtype):
         for name in rows:
             rows[name].load_state_dict(hf.state_dict())
     impls = kernels.implementations("moe.experts")
+    dispatch = kernels.implementations("moe.dispatch")
     for name, fn in (("titanite reference", impls["reference"].fn), ("titanite loop over unbind views", loop_over_unbind),
+                     ("titanite grouped_mm, reference dispatch", impls["grouped_mm"].fn),
                      ("titanite grouped_mm (default)", impls["grouped_mm"].fn)):
         moe = MoE(a.hidden, a.intermediate, a.experts, a.top_k, norm_topk_prob=True)
         with torch.no_grad():
@@ -84,8 +89,11 @@ def build_rows(a, dtype):
             moe.experts.w_gate_up.copy_(hf.experts.gate_up_proj)
             moe.experts.w_down.copy_(hf.experts.down_proj)
         moe.experts.kernel.bind(kernels.registry.Impl("moe.experts", name, fn, None, None, None, __name__))
+        # The default dispatch is `gather`; the loops and one grouped row keep the reference's.
+        moe.dispatcher.kernel.bind(dispatch["gather" if name.endswith("(default)") else "reference"])
         rows[name] = moe
-    order = ["titanite reference", "titanite loop over unbind views", "titanite grouped_mm (default)",
+    order = ["titanite reference", "titanite loop over unbind views", "titanite grouped_mm, reference dispatch",
+             "titanite grouped_mm (default)",
              "transformers eager", "transformers batched_mm", "transformers grouped_mm"]
     return {name: rows[name].to(dtype) for name in order if name in rows}
 
