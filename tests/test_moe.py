@@ -153,6 +153,16 @@ def test_default_experts_run_sizes_grouped_mm_cannot(dtype, caplog):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dispatch", ["reference", "gather"])
+def test_dispatch_takes_an_empty_batch(dispatch):
+    """No tokens (e.g. a rank's empty share) is a valid input: empty output, zero weight grads."""
+    layer, _ = _twin_layers(16, 8, 4, 2)
+    layer.dispatcher.kernel.bind(kernels.implementations("moe.dispatch")[dispatch])
+    y, x_grad, *grads = _layer_outputs(layer, torch.randn(0, 3, 16), torch.randn(0, 3, 16))
+    assert y.shape == x_grad.shape == (0, 3, 16)
+    assert all(g is None or not g.any() for g in grads)
+
+
 @pytest.mark.slow
 def test_compiled_moe_layer_keeps_the_math():
     """torch.compile over an fp32 MoE layer (grouped_mm's compiled form is bf16-only, so fp32

@@ -93,7 +93,7 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     order = flat.argsort(stable=True)  # slot (token * K + k) at each sorted position
     counts = torch.bincount(flat, minlength=num_experts)
     y_sorted = experts(x[order // K], counts)
-    y = y_sorted[order.argsort()].view(T, K, -1)  # back to (token, k) order
+    y = y_sorted[order.argsort()].view(T, K, y_sorted.shape[-1])  # back to (token, k) order
     return (y * topk_weights.to(y.dtype).unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 

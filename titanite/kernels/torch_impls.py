@@ -159,7 +159,7 @@ class _PermuteRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         grad_x = grad.index_select(0, inverse)
         if ctx.fold > 1:
-            grad_x = grad_x.view(-1, ctx.fold, *grad_x.shape[1:]).sum(dim=1)
+            grad_x = grad_x.view(grad_x.shape[0] // ctx.fold, ctx.fold, *grad_x.shape[1:]).sum(dim=1)
         return grad_x, None, None, None
 
 
@@ -175,5 +175,5 @@ def gather_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, num_exper
     inverse = order.argsort()  # sorted position of each slot
     counts = torch.bincount(flat, minlength=num_experts)
     y_sorted = experts(_PermuteRows.apply(x, order // K, inverse, K), counts)
-    y = _PermuteRows.apply(y_sorted, inverse, order, 1).view(T, K, -1)  # back to (token, k) order
+    y = _PermuteRows.apply(y_sorted, inverse, order, 1).view(T, K, y_sorted.shape[-1])  # (token, k) order
     return (y * topk_weights.to(y.dtype).unsqueeze(-1)).sum(dim=1).to(x.dtype)
