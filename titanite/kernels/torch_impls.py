@@ -106,8 +106,9 @@ def grouped_mm(x: Tensor, counts: Tensor, w_gate_up: Tensor, w_down: Tensor) -> 
         return _expert_loop(x.to(dtype), counts, w_gate_up.to(dtype), w_down.to(dtype)).to(x.dtype)
     if dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # _grouped_mm's fake (meta) kernel accepts only bf16, though the eager op runs fp32 and
-        # fp16: under torch.compile other dtypes run eagerly, outside the graph.
-        return _grouped_mm_eager(x, counts, w_gate_up, w_down, dtype)
+        # fp16: under torch.compile other dtypes run eagerly, outside the graph. (Wrapped here,
+        # not at import: torch.compiler.disable imports dynamo, and with it Triton.)
+        return torch.compiler.disable(_grouped_mm_swiglu)(x, counts, w_gate_up, w_down, dtype)
     return _grouped_mm_swiglu(x, counts, w_gate_up, w_down, dtype)
 
 
@@ -117,9 +118,6 @@ def _grouped_mm_swiglu(x: Tensor, counts: Tensor, w_gate_up: Tensor, w_down: Ten
     gate_up = torch._grouped_mm(x.to(dtype), w_gate_up.to(dtype).transpose(-2, -1), offs=offs)
     h = swiglu(gate_up[:, :inter], gate_up[:, inter:])
     return torch._grouped_mm(h, w_down.to(dtype).transpose(-2, -1), offs=offs).to(x.dtype)
-
-
-_grouped_mm_eager = torch.compiler.disable(_grouped_mm_swiglu)
 
 
 @functools.cache
