@@ -171,3 +171,16 @@ def test_cli_errors_exit_2_naming_the_op(capsys):
     assert "unknown kernel op 'rms_nrom'" in capsys.readouterr().err
     assert main(["kernels", "verify", "rms_norm", "--impl", "nope"]) == 2
     assert "no implementation 'nope' for kernel op 'rms_norm'" in capsys.readouterr().err
+
+
+def test_registering_the_builtins_imports_neither_dynamo_nor_triton():
+    """Built-ins register without importing torch._dynamo or Triton (seconds on every CLI
+    start, and a Triton imported before TRITON_INTERPRET=1 cannot run its kernels on CPU)."""
+    import subprocess
+
+    code = ("import sys, titanite.kernels as k\n"
+            "for op in k.registry.OPS: k.implementations(op)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
