@@ -7,7 +7,6 @@ safetensors headers before any data is read.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,8 +15,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from titanite.checkpoint.safetensors_io import HFReader, write_hf_folder
+from titanite.checkpoint.safetensors_io import HFReader, read_json, write_hf_folder
 from titanite.errors import UserError
+from titanite.files import inside_folder
 
 log = logging.getLogger("titanite")
 
@@ -28,28 +28,50 @@ class StateDictAdapter(Protocol):
     def ignorable_hf_keys(self) -> set[str]: ...
 
 
+def _plan(model: nn.Module, adapter: StateDictAdapter, reader: HFReader) -> list[tuple[str, torch.Tensor, list[str]]]:
+    """(model key, target tensor, HF keys) for every parameter and persistent buffer, after
+    checking each HF tensor's presence, shape and kind against the headers (no data read).
+    Works on a meta-device model, so it can run before anything is allocated."""
+    plan = []
+    for name, target in model.state_dict().items():
+        pairs = adapter.to_hf(name, torch.empty(target.shape, dtype=target.dtype, device="meta"))
+        for hf_key, expected in pairs:
+            if hf_key not in reader:
+                reader.get(hf_key)  # raises the missing-tensor error (names key and folder)
+            reader.check_shape(hf_key, tuple(expected.shape))
+            stored = reader.dtype(hf_key)
+            # Same byte size is not the same data: I32 bits read as weights are garbage.
+            if target.dtype.is_floating_point and not stored.is_floating_point:
+                raise UserError(f"tensor '{hf_key}' in {reader.file_of(hf_key)} is stored as "
+                                f"{str(stored).removeprefix('torch.')}, but it is a weight and must be a "
+                                "floating-point dtype (F32, BF16, F16); the header is wrong or the file "
+                                "is not this model's")
+        plan.append((name, target, [k for k, _ in pairs]))
+    used = {k for _, _, keys in plan for k in keys}
+    extra = sorted(set(reader.keys()) - used - adapter.ignorable_hf_keys())
+    if extra:
+        raise UserError(f"{reader.folder}: checkpoint has tensors this architecture does not use, e.g. "
+                        f"'{extra[0]}' in {reader.file_of(extra[0])} ({len(extra)} in all); "
+                        f"does config.json match the weights?")
+    return plan
+
+
+def check_hf_weights(model: nn.Module, adapter: StateDictAdapter, folder: str | Path) -> None:
+    """Every check `load_with_adapter` makes before reading data (names, shapes, dtypes, file
+    sizes), on a model that may still be on the meta device."""
+    with HFReader(folder) as reader:
+        _plan(model, adapter, reader)
+
+
 @torch.no_grad()
 def load_with_adapter(model: nn.Module, adapter: StateDictAdapter, folder: str | Path) -> None:
     """Fill every parameter and persistent buffer of `model` from the HF folder."""
     with HFReader(folder) as reader:
-        plan = []
-        for name, target in model.state_dict().items():
-            pairs = adapter.to_hf(name, torch.empty(target.shape, dtype=target.dtype, device="meta"))
-            for hf_key, expected in pairs:
-                if hf_key not in reader:
-                    reader.get(hf_key)  # raises the missing-tensor error (names key and folder)
-                reader.check_shape(hf_key, tuple(expected.shape))
-            plan.append((name, target, [k for k, _ in pairs]))
-        used = {k for _, _, keys in plan for k in keys}
-        extra = sorted(set(reader.keys()) - used - adapter.ignorable_hf_keys())
-        if extra:
-            raise UserError(f"{folder}: checkpoint has tensors this architecture does not use, e.g. "
-                            f"'{extra[0]}' in {reader.file_of(extra[0])} ({len(extra)} in all); "
-                            f"does config.json match the weights?")
+        plan = _plan(model, adapter, reader)
         for name, target, keys in plan:
             value = adapter.from_hf(name, [reader.get(k, dtype=target.dtype) for k in keys])
             target.copy_(value)
-    log.info("loaded %d tensors from %s", len(used), folder)
+    log.info("loaded %d tensors from %s", len({k for _, _, keys in plan for k in keys}), folder)
 
 
 def export_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], out: str | Path,
@@ -66,11 +88,13 @@ def export_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any
         folder = Path(folder)
         gen = folder / "generation_config.json"
         if generation_config is None and gen.is_file():
-            generation_config = json.loads(gen.read_text())
+            generation_config = read_json(inside_folder(folder, gen.name, f"source folder {folder}"),
+                                          "generation config")
         for fname in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                       "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"):
             if (folder / fname).is_file() and fname not in names:
-                extra.append(folder / fname)
+                # Copied into the export: a link out of the folder is refused, not followed.
+                extra.append(inside_folder(folder, fname, f"source folder {folder}"))
                 names.add(fname)
     return write_hf_folder(out, tensors, config, max_shard_bytes=max_shard_mb * 10**6,
                            extra_files=extra, generation_config=generation_config)

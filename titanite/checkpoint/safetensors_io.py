@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from titanite.errors import UserError, did_you_mean
+from titanite.files import inside_folder
 
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
@@ -41,10 +42,11 @@ def read_hf_config(folder: str | Path) -> dict:
     path = folder / CONFIG_NAME
     if not path.is_file():
         raise UserError(f"checkpoint folder {folder} has no {CONFIG_NAME}")
-    return _read_json(path, "config")
+    return read_json(path, "config")
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from `path`; UserError naming the file (and `what` it is) otherwise."""
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -122,11 +124,12 @@ class HFReader:
         self._handles: dict[Path, object] = {}    # open safe_open handles
         # Same precedence as transformers: a single file wins over an index.
         if (self.folder / SINGLE_NAME).is_file():
-            self._add_files([self.folder / SINGLE_NAME])
+            self._add_files([inside_folder(self.folder, SINGLE_NAME, f"checkpoint folder {self.folder}")])
         elif (self.folder / INDEX_NAME).is_file():
             self._add_index(self.folder / INDEX_NAME)
         else:
-            files = sorted(self.folder.glob("*.safetensors"))
+            files = [inside_folder(self.folder, p.name, f"checkpoint folder {self.folder}")
+                     for p in sorted(self.folder.glob("*.safetensors"))]
             if not files:
                 raise UserError(
                     f"checkpoint folder {self.folder} has no {SINGLE_NAME}, {INDEX_NAME} or "
@@ -142,12 +145,13 @@ class HFReader:
                 self._file[key], self._info[key] = path, info
 
     def _add_index(self, index_path: Path) -> None:
-        weight_map = _read_json(index_path, "index").get("weight_map")
+        weight_map = read_json(index_path, "index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise UserError(f"index file {index_path} has no 'weight_map' object")
         headers: dict[str, dict] = {}
         for key, shard in sorted(weight_map.items()):
-            path = self.folder / str(shard)
+            # A crafted entry ('../../etc/passwd', an absolute path, a link out) is refused.
+            path = inside_folder(self.folder, shard, f"index file {index_path}, tensor '{key}'")
             if shard not in headers:
                 if not path.is_file():
                     raise UserError(f"index file {index_path} maps tensor '{key}' to shard "

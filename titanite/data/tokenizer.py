@@ -15,6 +15,7 @@ from pathlib import Path
 import tokenizers
 
 from titanite.errors import UserError
+from titanite.files import inside_folder
 
 # Files an HF tokenizer folder may hold; an export copies the ones present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -33,6 +34,7 @@ class Tokenizer:
         eos_id: token id appended after every document when packing.
         eos_token: that token's text.
         vocab_size: number of token ids, added tokens included (151,669 for Qwen3).
+        max_id: the largest id it can produce (added and special tokens included).
         files: tokenizer.json and the side files next to it, for an HF export to copy.
     """
 
@@ -47,6 +49,8 @@ class Tokenizer:
         assert eos_id is not None, eos_token
         self.eos_id: int = eos_id
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        # Ids need not be dense: an added token may sit far above the base vocabulary.
+        self.max_id: int = max(tok.get_vocab(with_added_tokens=True).values())
         self.files = files
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -89,7 +93,9 @@ def load_tokenizer(spec: str, hf_path: str = "") -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for any parse failure
         raise UserError(f"{key}: cannot parse tokenizer file {path}: {e}") from e
-    files = [path] + [path.parent / n for n in TOKENIZER_FILES[1:] if (path.parent / n).is_file()]
+    # Side files travel into exports: one that links out of the folder is refused, not copied.
+    files = [path] + [inside_folder(path.parent, n, f"{key}: tokenizer folder {path.parent}")
+                      for n in TOKENIZER_FILES[1:] if (path.parent / n).is_file()]
     eos_token = _doc_separator(tok, path, key)
     return Tokenizer(tok, path, eos_token, files)
 
