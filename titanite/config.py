@@ -8,6 +8,7 @@ here, before any work: a bad key, type or value raises `UserError` naming the ke
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -261,11 +262,13 @@ def validate(cfg: Config) -> None:
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
         for f in dataclasses.fields(obj):
+            v, key = getattr(obj, f.name), f"{section.name}.{f.name}"
             choices = f.metadata.get("choices")
-            if choices and getattr(obj, f.name) not in choices:
-                v = getattr(obj, f.name)
-                raise UserError(f"config key '{section.name}.{f.name}': {v!r} is not one of "
+            if choices and v not in choices:
+                raise UserError(f"config key '{key}': {v!r} is not one of "
                                 f"{', '.join(map(repr, choices))}{did_you_mean(str(v), choices)}")
+            if isinstance(v, float) and not math.isfinite(v):  # NaN passes every comparison below
+                raise UserError(f"config key '{key}' must be a finite number, got {v}")
 
     def positive(key: str, v: float, allow_zero: bool = False) -> None:
         if v < 0 or (v == 0 and not allow_zero):
@@ -273,16 +276,24 @@ def validate(cfg: Config) -> None:
 
     t, d = cfg.training, cfg.data
     positive("training.steps", t.steps)
-    positive("training.lr", t.lr)
+    positive("training.lr", t.lr, allow_zero=True)
     positive("training.batch_size", t.batch_size)
     positive("training.global_batch_size", t.global_batch_size, allow_zero=True)
     positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
+    if t.warmup_steps > t.steps:
+        raise UserError(f"config key 'training.warmup_steps' ({t.warmup_steps}) must be at most "
+                        f"training.steps ({t.steps}); lower training.warmup_steps")
     positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
     positive("training.weight_decay", t.weight_decay, allow_zero=True)
+    positive("training.eps", t.eps)
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise UserError(f"config key 'training.{key}' must be in [0, 1), got {getattr(t, key)}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise UserError(f"config key 'training.min_lr_ratio' must be in [0, 1], got {t.min_lr_ratio}")
     if not 0 < t.decay_ratio <= 1:
         raise UserError(f"config key 'training.decay_ratio' must be in (0, 1], got {t.decay_ratio}")
+    positive("model.init_std", cfg.model.init_std, allow_zero=True)
     positive("model.moe_bias_update_rate", cfg.model.moe_bias_update_rate, allow_zero=True)
     positive("data.seq_len", d.seq_len)
     positive("data.max_files", d.max_files, allow_zero=True)

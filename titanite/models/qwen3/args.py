@@ -6,6 +6,7 @@ substitutes a library default for a value the checkpoint states (rope theta abov
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -64,17 +65,64 @@ _SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 def _rope_theta(cfg: dict[str, Any], where: str) -> float:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise UserError(f"{where}: rope_parameters / rope_scaling must be JSON objects")
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
         raise UserError(f"{where}: rope type '{rope_type}' is not supported (only default RoPE)")
+    key = "rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta"
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise UserError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
-    return float(theta)
+    return _positive_float({key: theta}, key, where)
+
+
+_MISSING = object()
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, minimum: int = 1, default: Any = _MISSING) -> int:
+    """cfg[key] as an int >= minimum. An absent key takes `default` (an error when there is none);
+    a key that is present must hold a valid value: 0 or null is never quietly replaced."""
+    if key not in cfg:
+        if default is _MISSING:
+            raise UserError(f"{where}: missing key '{key}'")
+        return default
+    v = cfg[key]
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise UserError(f"{where}: '{key}' must be an integer, got {v!r}")
+    if v < minimum:
+        raise UserError(f"{where}: '{key}' must be >= {minimum}, got {v}")
+    return v
+
+
+def _positive_float(cfg: dict[str, Any], key: str, where: str, allow_zero: bool = False) -> float:
+    v = cfg.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UserError(f"{where}: '{key}' must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise UserError(f"{where}: '{key}' must be a finite number {'>= 0' if allow_zero else '> 0'}, got {v}")
+    return v
+
+
+def _token_id(cfg: dict[str, Any], key: str, vocab: int, where: str) -> int | list[int] | None:
+    v = cfg.get(key)
+    ids = v if isinstance(v, list) else [] if v is None else [v]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise UserError(f"{where}: '{key}' holds {i!r}, which is not a token id below vocab_size ({vocab})")
+    return v
 
 
 def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Qwen3Args:
-    """Qwen3Args from a Qwen3 / Qwen3-MoE config.json dict. `where` names the file in errors."""
+    """Qwen3Args from a Qwen3 / Qwen3-MoE config.json dict. `where` names the file in errors.
+
+    Every value is checked, naming the key, the value and the rule: sizes are positive integers,
+    attention heads are a multiple of KV heads, head_dim is even, rope_theta and rms_norm_eps are
+    finite and positive, MoE counts are consistent. A key that is present but 0 or null is an
+    error, never a silent default."""
     model_type = cfg.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
         raise UserError(f"{where}: model_type {model_type!r} is not a Qwen3 model "
@@ -85,42 +133,66 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Qwen3Args
         raise UserError(f"{where}: attention_bias=true is not part of Qwen3 and is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (Qwen3 uses silu)")
-    try:
-        heads = int(cfg["num_attention_heads"])
-        kw: dict[str, Any] = dict(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=_rope_theta(cfg, where),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-        )
-        if model_type == "qwen3_moe":
-            # transformers 5.x writes num_experts as num_local_experts (its attribute_map);
-            # published checkpoints say num_experts.
-            experts = cfg["num_experts"] if "num_experts" in cfg else cfg.get("num_local_experts")
-            if experts is None:
-                raise KeyError("num_experts")
-            kw.update(
-                num_experts=int(experts),
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
-                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
-                output_router_logits=bool(cfg.get("output_router_logits", False)),
-            )
-    except KeyError as e:
-        raise UserError(f"{where}: missing key {e.args[0]!r}") from None
+    hidden = _int(cfg, "hidden_size", where)
+    heads = _int(cfg, "num_attention_heads", where)
+    kv_heads = _int(cfg, "num_key_value_heads", where, default=heads)
+    if heads % kv_heads:
+        raise UserError(f"{where}: 'num_attention_heads' ({heads}) must be a multiple of "
+                        f"'num_key_value_heads' ({kv_heads})")
+    if "head_dim" in cfg:
+        head_dim = _int(cfg, "head_dim", where)
+    elif hidden % heads:
+        raise UserError(f"{where}: no 'head_dim', and 'hidden_size' ({hidden}) is not a multiple of "
+                        f"'num_attention_heads' ({heads}); state head_dim")
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise UserError(f"{where}: 'head_dim' must be even for RoPE, got {head_dim}")
+    vocab = _int(cfg, "vocab_size", where)
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise UserError(f"{where}: 'tie_word_embeddings' must be true or false, got {tie!r}")
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size", where),
+        num_layers=_int(cfg, "num_hidden_layers", where),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=_positive_float(cfg, "rms_norm_eps", where),
+        rope_theta=_rope_theta(cfg, where),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", where, default=40960),
+        tie_word_embeddings=tie,
+        bos_token_id=_token_id(cfg, "bos_token_id", vocab, where),
+        eos_token_id=_token_id(cfg, "eos_token_id", vocab, where),
+    )
+    if model_type == "qwen3_moe":
+        kw.update(_moe_kwargs(cfg, kw["num_layers"], where))
     return Qwen3Args(**kw)
+
+
+def _moe_kwargs(cfg: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+    # transformers 5.x writes num_experts as num_local_experts (its attribute_map); published
+    # checkpoints say num_experts.
+    experts_key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    if experts_key not in cfg:
+        raise UserError(f"{where}: missing key 'num_experts'")
+    experts = _int(cfg, experts_key, where)
+    top_k = _int(cfg, "num_experts_per_tok", where)
+    if top_k > experts:
+        raise UserError(f"{where}: 'num_experts_per_tok' ({top_k}) must be at most {experts_key} ({experts})")
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                             and 0 <= i < num_layers for i in only):
+        raise UserError(f"{where}: 'mlp_only_layers' must list layer indices in [0, {num_layers}), got {only!r}")
+    return dict(
+        num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=_int(cfg, "moe_intermediate_size", where),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=_int(cfg, "decoder_sparse_step", where, default=1),
+        mlp_only_layers=tuple(only),
+        router_aux_loss_coef=_positive_float({"router_aux_loss_coef": cfg.get("router_aux_loss_coef", 0.0)},
+                                             "router_aux_loss_coef", where, allow_zero=True),
+        output_router_logits=bool(cfg.get("output_router_logits", False)),
+    )
 
 
 def to_hf_config(args: Qwen3Args) -> dict[str, Any]:
