@@ -1,9 +1,23 @@
-"""Training-state checkpoints with torch.distributed.checkpoint (DCP), written atomically.
+"""Training-state checkpoints with torch.distributed.checkpoint (DCP): atomic, verified, safe.
 
-Layout: `<output_dir>/checkpoints/step-N/` holds the DCP shards (model, optimizer tensors, RNG),
-`trainer_state.json` (step, data position, schedule) and the run's `config.toml`. A save goes
-to `.tmp-step-N` and is renamed when complete, so a crash mid-save never leaves a corrupt
-latest. Only tensors go through DCP: nothing is unpickled on resume.
+Layout of `<output_dir>/checkpoints/step-N/`: the DCP shards (`*.distcp`) and `.metadata`
+(model, optimizer tensors, RNG), `trainer_state.json` (step, data position), the run's
+`config.toml`, and `manifest.json` (size + SHA-256 of every other file), written last.
+
+A save goes to `.tmp-step-N`:
+  1. DCP writes and fsyncs the shards and metadata;
+  2. rank 0 writes trainer_state.json and config.toml;
+  3. every rank hashes the files it wrote, reading them back; rank 0 writes the manifest;
+  4. the folder is renamed to `step-N`, and only then are older checkpoints pruned.
+Any failure on the way (a full disk, a read-only folder) removes the temporary folder and
+raises a UserError; earlier checkpoints are never touched. A kill at any point leaves either a
+temporary folder (removed on the next start) or a complete checkpoint.
+
+A load verifies the manifest (sizes and hashes, split across ranks), reads the DCP metadata
+with a restricted unpickler, checks it against the model and optimizer (first mismatching key
+and shape), and only then lets DCP read tensors, through `SafeReader`/`TensorOnlyPlanner`
+(dcp_safe.py). Any failure is a `CheckpointUnusable` naming the folder and the cause; the
+trainer then falls back to the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -13,14 +27,18 @@ import logging
 import os
 import re
 import shutil
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,17 +47,30 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanite.checkpoint import dcp_safe, manifest
 from titanite.errors import UserError
+from titanite.files import storage_error
+from titanite.parallel.distributed import gather_texts
 
 log = logging.getLogger("titanite")
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+_WRITER = re.compile(r"__(\d+)_")  # DCP names each rank's shard files __<rank>_<n>.distcp
 STATE_FILE = "trainer_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+class CheckpointUnusable(UserError):
+    """A checkpoint folder that cannot be resumed from: incomplete, corrupt, unsafe, or of
+    another model. The message names the folder and the first problem."""
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -47,13 +78,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _is_complete(d: Path) -> bool:
+    return all((d / f).is_file() for f in (STATE_FILE, dcp_safe.METADATA_NAME, manifest.MANIFEST_NAME))
+
+
 def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (renamed into place, state file present), oldest first."""
+    """Complete checkpoints (renamed into place, manifest written), oldest first. Whether their
+    bytes are intact is `verify`'s to say."""
     found = []
     if ckpt_root.is_dir():
         for d in ckpt_root.iterdir():
             m = _STEP_DIR.fullmatch(d.name)
-            if m and (d / STATE_FILE).is_file() and (d / ".metadata").is_file():
+            if m and d.is_dir() and _is_complete(d):
                 found.append((int(m.group(1)), d))
     return sorted(found)
 
@@ -67,79 +103,119 @@ def _tensor_items(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
+# -- saving ----------------------------------------------------------------------------------
+
+
 def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          trainer_state: dict[str, Any], config_toml: str, keep_latest: int) -> Path:
-    """Save everything needed to resume at `step`; prune to `keep_latest` (0 keeps all)."""
+    """Save everything needed to resume at `step`; then prune to `keep_latest` (0 keeps all).
+    A file-system fault raises UserError after removing the partial save."""
     final = ckpt_root / f"step-{step}"
     tmp = ckpt_root / f".tmp-step-{step}"
-    if _rank() == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    state = {"model": get_model_state_dict(model),
-             "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
-             "rng": {"cpu": torch.get_rng_state()}}
-    with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    _barrier()
-    if _rank() == 0:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-        (tmp / "config.toml").write_text(config_toml)
-        _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after an interrupt): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-        _prune(ckpt_root, keep_latest)
-    _barrier()
+    try:
+        if _rank() == 0:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        state = {"model": get_model_state_dict(model),
+                 "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
+                 "rng": {"cpu": torch.get_rng_state()}}
+        with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            metadata = dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
+                                no_dist=not dist.is_initialized())
+        files: list[str] = []
+        if _rank() == 0:
+            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+            (tmp / "config.toml").write_text(config_toml)
+            files = [dcp_safe.METADATA_NAME, STATE_FILE, "config.toml"]
+        shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+        files += [f for f in shards if _writer_of(f) == _rank()]
+        digests: dict[str, Any] = {}
+        for text in gather_texts(json.dumps({f: manifest.digest(tmp / f) for f in files})):
+            digests.update(json.loads(text))
+        if _rank() == 0:
+            manifest.write(tmp, digests, step)
+            _fsync_dir(tmp)
+            _swap_in(tmp, final)
+            _prune(ckpt_root, keep_latest)
+        _barrier()
+    except (OSError, CheckpointException) as e:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fault = _storage_fault(e)
+        if fault is None:
+            raise
+        previous = latest_checkpoint(ckpt_root)
+        raise storage_error(fault, f"saving checkpoint step-{step} to {ckpt_root}; the partial save was "
+                                   f"removed and the last complete checkpoint is "
+                                   f"{previous or 'none'}") from None
     return final
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Restore model (and optimizer, RNG) in place from a checkpoint folder; returns trainer state."""
-    if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
-        raise UserError(f"{path} is not a complete titanite checkpoint (no {STATE_FILE} or .metadata)")
-    model_sd = get_model_state_dict(model)
-    state: dict[str, Any] = {"model": model_sd}
-    optim_full = None
-    if optimizer is not None:
-        optim_full = get_optimizer_state_dict(model, optimizer, options=_FLAT)
-        state["optim"] = _tensor_items(optim_full)
-        state["rng"] = {"cpu": torch.get_rng_state()}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as e:  # DCP reports layout mismatches as generic errors; name the folder
-        raise UserError(f"checkpoint {path} does not match this model/optimizer: {e}") from e
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        optim_full.update(state["optim"])
-        set_optimizer_state_dict(model, optimizer, optim_full, options=_FLAT)
-        torch.set_rng_state(state["rng"]["cpu"])
-    return json.loads((path / STATE_FILE).read_text())
+def _writer_of(relative_path: str) -> int:
+    """The rank that wrote a DCP shard file (rank 0 for names without the rank prefix)."""
+    m = _WRITER.match(relative_path)
+    return int(m.group(1)) if m and int(m.group(1)) < _world_size() else 0
+
+
+def _storage_fault(e: BaseException) -> OSError | None:
+    """The OSError behind a save failure (DCP wraps each rank's exception), or None."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, CheckpointException):
+        for exc, _trace in e.failures.values():
+            if isinstance(exc, OSError):
+                return exc
+    return None
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`. A checkpoint already there (a re-save of the same step) is moved
+    aside first and deleted last, so a kill in between leaves one of the two complete."""
+    aside = final.parent / f".old-{final.name}"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent, files=False)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _prune(ckpt_root: Path, keep_latest: int) -> None:
+    """Delete all but the newest `keep_latest` complete checkpoints (the one just written is the
+    newest, so the newest verified checkpoint is never deleted)."""
+    if keep_latest <= 0:
+        return
+    for _, d in list_checkpoints(ckpt_root)[:-keep_latest]:
+        # Renamed first, so a kill mid-delete leaves a folder the next start removes, never a
+        # half-deleted step-N that looks like a checkpoint.
+        doomed = d.parent / f".del-{d.name}"
+        os.rename(d, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_stale_temporaries(ckpt_root: Path) -> None:
-    """Drop half-written saves left by a crash (never touches complete checkpoints)."""
+    """Drop half-written saves left by a crash (never touches complete checkpoints). A complete
+    checkpoint that a re-save had moved aside is put back when its replacement never arrived."""
     if _rank() == 0 and ckpt_root.is_dir():
+        for d in ckpt_root.glob(".old-step-*"):
+            final = ckpt_root / d.name.removeprefix(".old-")
+            if not final.exists() and _is_complete(d):
+                os.rename(d, final)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
         for d in ckpt_root.glob(".tmp-step-*"):
             log.warning("removing incomplete checkpoint %s (a save was interrupted)", d)
+            shutil.rmtree(d, ignore_errors=True)
+        for d in ckpt_root.glob(".del-step-*"):  # pruning was interrupted
             shutil.rmtree(d, ignore_errors=True)
     _barrier()
 
 
-def _prune(ckpt_root: Path, keep_latest: int) -> None:
-    if keep_latest <= 0:
-        return
-    for _, d in list_checkpoints(ckpt_root)[:-keep_latest]:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir() if path.is_dir() else ():
+def _fsync_dir(path: Path, files: bool = True) -> None:
+    for f in path.iterdir() if files and path.is_dir() else ():
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -148,3 +224,151 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- verifying and loading -------------------------------------------------------------------
+
+
+def verify(path: Path) -> list[str]:
+    """Problems that make `path` unusable, [] when it is intact: the manifest is complete, names
+    only files inside the folder, covers every file the DCP metadata points into, and every
+    file has its recorded size and SHA-256. The metadata is read with the restricted
+    unpickler. Under torch.distributed the hashing is split across ranks and every rank gets the
+    whole answer."""
+    try:
+        files = manifest.read(path)
+        problems = manifest.check_sizes(path, files)
+        for required in (STATE_FILE, dcp_safe.METADATA_NAME):
+            if required not in files:
+                problems.append(f"the manifest does not cover {required}")
+    except UserError as e:
+        problems, files = [str(e)], {}
+    names = sorted(files)
+    mine = names[_rank()::_world_size()]
+    problems += [p for text in gather_texts(json.dumps(manifest.check_hashes(path, files, mine)))
+                 for p in json.loads(text)]
+    if problems:
+        return problems
+    try:
+        metadata = dcp_safe.read_metadata(path)
+        unlisted = sorted({i.relative_path for i in metadata.storage_data.values()} - set(files))
+        if unlisted:
+            problems.append(f"the DCP metadata points into {unlisted[0]}, which the manifest does not cover")
+        read_trainer_state(path)
+    except UserError as e:
+        problems.append(str(e))
+    return problems
+
+
+def verify_command(target: Path) -> int:
+    """`titanite checkpoint verify DIR`: one line per checkpoint; 0 when all are intact, else 2."""
+    if (target / manifest.MANIFEST_NAME).is_file() or _STEP_DIR.fullmatch(target.name):
+        folders = [target]
+    else:
+        root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
+        folders = sorted((d for d in root.iterdir() if _STEP_DIR.fullmatch(d.name) and d.is_dir()),
+                         key=lambda d: int(d.name.split("-")[1])) if root.is_dir() else []
+        if not folders:
+            raise UserError(f"{target} holds no checkpoints (expected checkpoints/step-N folders)")
+    bad = 0
+    for folder in folders:
+        problems = verify(folder)
+        if problems:
+            bad += 1
+            print(f"{folder}: FAILED: " + "; ".join(problems))
+        else:
+            files = manifest.read(folder)
+            size = sum(e["size"] for e in files.values())
+            print(f"{folder}: ok ({len(files)} files, {size / 2**20:.1f} MiB, hashes match)")
+    if bad:
+        print(f"titanite: error: {bad} of {len(folders)} checkpoints failed verification", file=sys.stderr)
+        return 2
+    return 0
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json, checked: a JSON object whose `step` matches the folder name."""
+    file = path / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{file} is unreadable: {e}") from None
+    m = _STEP_DIR.fullmatch(path.name)
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or step < 0 or (m and int(m.group(1)) != step):
+        raise UserError(f"{file}: 'step' is {step!r}, which does not match the folder {path.name}")
+    return state
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Verify `path`, then restore model (and optimizer, RNG) in place; returns the trainer
+    state. Raises CheckpointUnusable naming the folder and the first problem."""
+    problems = verify(path)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointUnusable(f"checkpoint {path} failed verification: {problems[0]}{more}")
+    trainer_state = read_trainer_state(path)
+    model_sd = get_model_state_dict(model)
+    state: dict[str, Any] = {"model": model_sd}
+    optim_full = None
+    if optimizer is not None:
+        optim_full = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state["optim"] = _tensor_items(optim_full)
+        state["rng"] = {"cpu": torch.get_rng_state()}
+    try:
+        dcp_safe.check_compatible(dcp_safe.read_metadata(path), state, path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=dcp_safe.SafeReader(str(path)), planner=dcp_safe.TensorOnlyPlanner(),
+                     no_dist=not dist.is_initialized())
+    except UserError as e:
+        raise CheckpointUnusable(str(e)) from None
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointUnusable(f"checkpoint {path} cannot be loaded into this model/optimizer: "
+                                 f"{_first_line(e)}") from None
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        optim_full.update(state["optim"])
+        set_optimizer_state_dict(model, optimizer, optim_full, options=_FLAT)
+        torch.set_rng_state(state["rng"]["cpu"])
+    return trainer_state
+
+
+def _first_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException):
+        exc = next(iter(e.failures.values()))[0]
+        if isinstance(exc, UserError):
+            return str(exc)
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+T = TypeVar("T")
+
+
+def newest_usable(ckpt_root: Path, attempt: Callable[[Path], T]) -> tuple[Path, T] | None:
+    """`attempt(path)` on the complete checkpoints under `ckpt_root`, newest first, until one
+    does not raise CheckpointUnusable (each failure is logged with its reason). None when there
+    is no checkpoint; UserError listing the reasons when there are some and none is usable."""
+    found = list_checkpoints(ckpt_root)
+    complete = {path for _, path in found}
+    for d in sorted(ckpt_root.glob("step-*")) if ckpt_root.is_dir() else ():
+        if d not in complete:
+            log.warning("%s is not a complete checkpoint (no %s, %s or %s): skipped", d, manifest.MANIFEST_NAME,
+                        STATE_FILE, dcp_safe.METADATA_NAME)
+    reasons = []
+    for _, path in reversed(found):
+        try:
+            return path, attempt(path)
+        except CheckpointUnusable as e:
+            log.warning("cannot use %s: %s; trying the previous checkpoint", path.name, e)
+            reasons.append(f"{path.name}: {e}")
+    if not found:
+        return None
+    raise UserError(f"no usable checkpoint in {ckpt_root} ({'; '.join(reasons)}). Repair or move "
+                    "them aside, or set checkpoint.resume = false to start over")
+
+
+def resume(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]] | None:
+    """Restore the newest usable checkpoint under `ckpt_root` (see newest_usable)."""
+    return newest_usable(ckpt_root, lambda path: load(path, model, optimizer))

@@ -55,6 +55,14 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest `value` over all ranks (a collective; the value itself on one rank)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         """Forward loss and backward run in this: with tensor parallelism the logits stay
         sharded over the vocabulary and cross-entropy is computed across the shards."""
@@ -72,6 +80,23 @@ class World:
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def gather_texts(text: str) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank of the default group (one rank: [text]).
+    Sent as bytes in CPU tensors: nothing is pickled."""
+    if not dist.is_initialized():
+        return [text]
+    raw = text.encode()
+    data = torch.tensor(list(raw), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(raw)], dtype=torch.int64))
+    width = max(int(n) for n in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: len(raw)] = data
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(bufs, padded)
+    return [bytes(b[: int(n)].tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

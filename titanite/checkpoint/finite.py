@@ -1,0 +1,81 @@
+"""Only finite state is ever saved.
+
+A finite loss does not make finite weights: an optimizer update can overflow them (or a bug can
+write NaN into one) while the loss of that step still looks fine. So the state itself is
+checked: after every optimizer step (on the device, no host sync; the trainer reads the result
+only when it logs or saves) and before every save (every parameter and every optimizer tensor).
+Both checks are one fused reduction: the infinity norm of each local tensor (`_foreach_norm`,
+one multi-tensor kernel on accelerators), which is NaN or Inf exactly when the tensor holds one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+_INF = float("inf")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; other tensors as they are."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _checkable(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for t in tensors:
+        t = _local(t).detach()
+        if t.is_floating_point() and t.numel():
+            out.append(t)
+    return out
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool tensor on the tensors' device: True when every element of every floating
+    tensor is finite. No host sync."""
+    ts = _checkable(tensors)
+    if not ts:
+        return torch.ones((), dtype=torch.bool)
+    norms = torch._foreach_norm(ts, _INF)
+    return torch.stack([n.float() for n in norms]).isfinite().all()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
+    """The name of the first parameter (in model order) holding NaN/Inf on this rank, or of the
+    first such optimizer tensor ('<param> optimizer <slot>'); None when all are finite.
+    One check per tensor: only for the message, after all_finite said something is wrong."""
+    names = {}
+    for name, p in model.named_parameters():
+        names[p] = name
+        if not bool(all_finite([p])):
+            return name
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            for slot, v in state.items():
+                if isinstance(v, torch.Tensor) and not bool(all_finite([v])):
+                    return f"{names.get(p, '?')} (optimizer {slot})"
+    return None
+
+
+class FiniteWatch:
+    """The first optimizer step after which some parameter was not finite, kept on the device.
+
+    `after_step(step, params)` queues the check without a host sync; `first_bad_step()` reads it
+    (a sync): 0 when every checked step left finite weights.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._first = torch.zeros((), dtype=torch.int64, device=device)
+
+    def after_step(self, step: int, params: Iterable[torch.Tensor]) -> None:
+        bad = ~all_finite(params).to(self._first.device)
+        self._first = torch.where(bad & (self._first == 0), torch.full_like(self._first, step), self._first)
+
+    def first_bad_step(self) -> int:
+        return int(self._first)
