@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -17,23 +18,24 @@ import torch
 import torch.nn.functional as F
 
 from titanite import device as devices
-from titanite import kernels
 from titanite.checkpoint import training_state
+from titanite.checkpoint.finite import FiniteWatch, all_finite, first_nonfinite, optimizer_tensors
 from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
 from titanite.data.loader import PackedLoader
-from titanite.data.packing import packing_mode
-from titanite.data.tokenizer import load_tokenizer
-from titanite.errors import TrainingDiverged, UserError
+from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
-from titanite.models.spec import TrainOutput, get_spec
+from titanite.models.spec import TrainOutput
 from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
 from titanite.parallel.grad_norm import clip_grad_norm_
+from titanite.preflight import Prepared, preflight
+from titanite.runlock import RunLock
 
 log = logging.getLogger("titanite")
 IGNORE_INDEX = -100
+_NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -49,57 +51,50 @@ def output_loss_sum(out: TrainOutput, labels: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
+    """Preflight (every check, nothing written), then the run: lock the output folder, start
+    the process group, build the data, materialise, resume or load, and train."""
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.out = Path(cfg.job.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.device = devices.pick_device(cfg.job.device)
+        ready = preflight(cfg)  # a UserError here leaves the output folder as it was
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.lock = RunLock(self.out).acquire() if self.rank == 0 else None
+        try:
+            self._start(ready)
+        except BaseException:
+            self.close(remove_empty_output=True)
+            raise
+
+    def _start(self, ready: Prepared) -> None:
+        cfg = self.cfg
+        self.device, self.spec, self.model = ready.device, ready.spec, ready.model
+        self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
-        self.rank = self.world.rank
         self.config_toml = to_toml(cfg)
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.toml").write_text(self.config_toml)
-        self.spec = get_spec(cfg.model.spec)
-        kernels.load_plugins(cfg.kernels.plugins)
-        self.model = self.spec.build(cfg.model)
-        compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-        self.spec.attach_kernels(self.model, cfg.kernels, self.device.type, compute_dtype)
-        self.world.dims.check_model(self.spec.hf_config(self.model))  # before any weights are read
-        tok_source = cfg.data.tokenizer or cfg.model.hf_path
-        if not tok_source:
-            raise UserError("no tokenizer: set 'data.tokenizer' (a tokenizer.json, a folder, or 'qwen3') "
-                            "or 'model.hf_path'")
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
-        vocab = self.spec.hf_config(self.model)["vocab_size"]
-        if self.tokenizer.vocab_size > vocab:
-            raise UserError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
-                            f"has {vocab} rows; pick a matching model.flavor / model.hf_path or data.tokenizer")
-        self.accum = self._grad_accum_steps()
-        if packing_mode(cfg.data) == "documents" and not self.spec.supports_document_masks:
-            raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
-                            f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
-                            "data.packing = 'pad' (one sample per sequence)")
         self.loader = PackedLoader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
                                    rank=self.world.dp_rank, world_size=self.world.dp_size)
         self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
                           if cfg.eval.path else None)
         self.step = 0
-        resume_from = training_state.latest_checkpoint(self.ckpt_root) if cfg.checkpoint.resume else None
-        self._materialize(pretrained=resume_from is None)
+        training_state.remove_stale_temporaries(self.ckpt_root)
+        resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
+        self._materialize(ready.weights, resuming)
         self.model = self.spec.parallelize(self.model, self.world, cfg)
         self.optimizer = build_optimizer(self.model, cfg.training)
-        training_state.remove_stale_temporaries(self.ckpt_root)
-        if resume_from is not None:
-            state = training_state.load(resume_from, self.model, self.optimizer)
+        if resuming:
+            path, state = training_state.resume(self.ckpt_root, self.model, self.optimizer)
             self.step = state["step"]
             self.loader.load_state_dict(state["data"])
-            log.info("resumed from %s at step %d", resume_from, self.step)
+            log.info("resumed from %s at step %d", path, self.step)
+        self.finite = FiniteWatch(self.device)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if cfg.training.mixed_precision == "bf16" else contextlib.nullcontext())
-        dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-        self.peak_flops = devices.peak_flops(self.device, dtype, cfg.metrics.peak_tflops)
+        self.peak_flops = devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops)
         self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
+        if self.rank == 0:  # the first file a run writes, once everything it needs has loaded
+            (self.out / "config.toml").write_text(self.config_toml)
         self.metrics = MetricsLogger(self.out, cfg.metrics, cfg.training.steps, self.rank)
         self.metrics.truncate_after(self.step)
         self.stop_signal: int | None = None
@@ -108,49 +103,47 @@ class Trainer:
                  "device %s, peak %.1f TFLOP/s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
                  cfg.training.mixed_precision, self.accum, self.device, self.peak_flops / 1e12)
 
-    def _grad_accum_steps(self) -> int:
-        t = self.cfg.training
-        per_step = t.batch_size * self.world.dp_size
-        global_batch = t.global_batch_size or per_step
-        if global_batch % per_step:
-            raise UserError(f"config key 'training.global_batch_size' ({global_batch}) must be a multiple of "
-                            f"batch_size x data-parallel ranks ({t.batch_size} x {self.world.dp_size})")
-        return global_batch // per_step
+    def close(self, remove_empty_output: bool = False) -> None:
+        """Release the output folder's lock (train() does this itself; call it after driving
+        train_step by hand). `remove_empty_output`: also remove a folder this run created and
+        never wrote into."""
+        if self.lock is not None:
+            self.lock.release(remove_folder_if_empty=remove_empty_output)
+            self.lock = None
 
-    def _materialize(self, pretrained: bool) -> None:
-        """Allocate the meta model on the device, then load weights or initialise (seeded)."""
-        m = self.cfg.model
+    def _materialize(self, weights: str | None, resuming: bool) -> None:
+        """Allocate the meta model on the device, then load `weights` (an HF folder) or
+        initialise (seeded); a run that resumes leaves that to the checkpoint."""
         self.model.to_empty(device=self.device)
         self.spec.init_buffers(self.model)
-        has_weights = bool(m.hf_path) and any(Path(m.hf_path).glob("*.safetensors"))
-        if m.init == "pretrained" and not has_weights:
-            raise UserError(f"config key 'model.init' is 'pretrained' but {m.hf_path} has no *.safetensors")
         torch.manual_seed(self.cfg.job.seed)
-        if not pretrained:
-            return  # the checkpoint fills every tensor
-        if has_weights and m.init != "random":
-            self.spec.load_hf(self.model, m.hf_path)
+        if resuming:
+            return
+        if weights is not None:
+            self.spec.load_hf(self.model, weights)
         else:
-            self.spec.init_weights(self.model, m.init_std)
+            self.spec.init_weights(self.model, self.cfg.model.init_std)
         self.spec.init_buffers(self.model)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> None:
         cfg = self.cfg
-        if self.step >= cfg.training.steps:
-            log.info("checkpoint is already at step %d of %d; nothing to train", self.step, cfg.training.steps)
-            self._finish(save=False)
-            self.world.close()
-            return
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._loop()
+            if self.step >= cfg.training.steps:
+                log.info("checkpoint is already at step %d of %d; nothing to train", self.step, cfg.training.steps)
+                self._finish(save=False)
+                return
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                self._loop()
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             self.metrics.close()
             self.world.close()
+            self.close()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self.stop_signal is not None:  # a second signal: stop now
@@ -174,6 +167,7 @@ class Trainer:
                 eval_row = self.evaluate()
                 window_start += time.perf_counter() - eval_start  # not training throughput
             if self.metrics.should_log(self.step) or eval_row:
+                self._stop_if_nonfinite(before_save=False)
                 devices.synchronize(self.device)
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / elapsed
@@ -235,16 +229,39 @@ class Trainer:
         loss_value = float(total)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            latest = training_state.latest_checkpoint(self.ckpt_root)
-            raise TrainingDiverged(
-                f"loss is {loss_value} (grad norm {grad_norm}) at step {self.step + 1}; stopped without "
-                f"saving. Last good checkpoint: {latest or 'none'}. Lower training.lr, raise "
-                f"training.warmup_steps or check the data; rerunning resumes from that checkpoint.")
+            self._diverged(f"loss is {loss_value} (grad norm {grad_norm}) at step {self.step + 1}")
         set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.finite.after_step(self.step + 1, self.model.parameters())  # read at log and save steps
         self.spec.after_optimizer_step(self.model)
         return loss_value, grad_norm
+
+    def _stop_if_nonfinite(self, before_save: bool) -> None:
+        """Exit 3 when some optimizer step left a non-finite weight (the device-side watch), or,
+        before a save, when any parameter or optimizer tensor is not finite: such state is
+        never written."""
+        first = self.world.min_over_ranks(self.finite.first_bad_step() or _NEVER)
+        ok = True
+        if before_save:
+            ok = bool(all_finite([*self.model.parameters(), *optimizer_tensors(self.optimizer)]))
+        if first == _NEVER and not self.world.any_rank(not ok):
+            return
+        when = f"after the update of step {first}" if first != _NEVER else f"by step {self.step}"
+        self._diverged(f"the weights became non-finite {when}, although that step's loss was finite")
+
+    def _diverged(self, what: str) -> None:
+        """Raise TrainingDiverged (exit 3) naming what went non-finite, where it first did, and the
+        last good checkpoint, which stays untouched."""
+        first = self.world.min_over_ranks(self.finite.first_bad_step() or _NEVER)
+        names = [n for n in distributed.gather_texts(first_nonfinite(self.model, self.optimizer) or "") if n]
+        detail = f"; first non-finite weights after step {first}" if first != _NEVER and "weights" not in what else ""
+        detail += f"; first non-finite tensor: {names[0]}" if names else ""
+        latest = training_state.latest_checkpoint(self.ckpt_root)
+        raise TrainingDiverged(
+            f"{what}{detail}; stopped without saving. Last good checkpoint: {latest or 'none'}. Lower "
+            "training.lr, raise training.warmup_steps or check the data; rerunning resumes from that "
+            "checkpoint.")
 
     def evaluate(self) -> dict[str, float]:
         """Loss and perplexity on the held-out data (eval.path); see titanite/eval.py."""
@@ -261,6 +278,7 @@ class Trainer:
     # -- saving -----------------------------------------------------------------------------
 
     def _save(self) -> Path:
+        self._stop_if_nonfinite(before_save=True)
         path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer,
                                    {"data": self.loader.state_dict()}, self.config_toml,
                                    self.cfg.checkpoint.keep_latest)

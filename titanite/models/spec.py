@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights
 from titanite.config import ModelConfig
 from titanite.errors import UserError, did_you_mean
 
@@ -56,8 +57,16 @@ class ModelSpec(ABC):
         """Recompute non-persistent buffers (e.g. RoPE inv_freq) after materialising/loading."""
 
     @abstractmethod
+    def state_dict_adapter(self, model: nn.Module) -> StateDictAdapter:
+        """The mapping between this model's state-dict keys and the Hugging Face on-disk keys."""
+
+    @abstractmethod
     def load_hf(self, model: nn.Module, folder: str) -> None:
         """Copy weights from a local HF folder into the materialised model. Errors name file and tensor."""
+
+    def check_hf(self, model: nn.Module, folder: str) -> None:
+        """Every check load_hf makes before reading data (names, shapes, dtypes), on the meta model."""
+        check_hf_weights(model, self.state_dict_adapter(model), folder)
 
     @abstractmethod
     def hf_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

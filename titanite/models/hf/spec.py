@@ -78,13 +78,20 @@ class HFSpec(ModelSpec):
     def init_buffers(self, model: nn.Module) -> None:
         model.init_buffers()
 
+    def state_dict_adapter(self, model: nn.Module) -> HFStateDictAdapter:
+        return HFStateDictAdapter(model.args.tie_word_embeddings)
+
     def load_hf(self, model: nn.Module, folder: str) -> None:
         model.tie()
-        load_with_adapter(model, HFStateDictAdapter(model.args.tie_word_embeddings), folder)
+        load_with_adapter(model, self.state_dict_adapter(model), folder)
         model.init_buffers()
 
+    def check_hf(self, model: nn.Module, folder: str) -> None:
+        model.tie()  # the tied head is one tensor, as load_hf sees it
+        super().check_hf(model, folder)
+
     def hf_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        adapter = HFStateDictAdapter(model.args.tie_word_embeddings)
+        adapter = self.state_dict_adapter(model)
         for name, tensor in model.state_dict().items():
             if adapter.tied and name == PREFIX + HEAD:
                 continue  # the embedding, already written under its own key

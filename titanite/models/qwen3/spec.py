@@ -59,12 +59,15 @@ class Qwen3Spec(ModelSpec):
     def init_buffers(self, model: nn.Module) -> None:
         model.init_buffers()
 
+    def state_dict_adapter(self, model: nn.Module) -> Qwen3StateDictAdapter:
+        return Qwen3StateDictAdapter(model.args)
+
     def load_hf(self, model: nn.Module, folder: str) -> None:
-        load_with_adapter(model, Qwen3StateDictAdapter(model.args), folder)
+        load_with_adapter(model, self.state_dict_adapter(model), folder)
         model.init_buffers()
 
     def hf_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        adapter = Qwen3StateDictAdapter(model.args)
+        adapter = self.state_dict_adapter(model)
         if any(bool(m.router.expert_bias.any()) for _, m in moe_layers(model)):
             log.warning("the MoE routing bias (model.moe_bias_update_rate) is not part of the Hugging Face "
                         "layout and is left out of the export: transformers will route without it")

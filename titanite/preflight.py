@@ -1,0 +1,163 @@
+"""Preflight: everything that can be checked before any work, checked once, in one place.
+
+`preflight(cfg)` runs before the process group starts, before any file is written and before
+any data is tokenized. It reads only small things: config.json, safetensors headers, the
+tokenizer, file types. A failure is a UserError (exit 2) naming the key, the value and the
+rule, and leaves the output folder as it was. What it checks:
+
+- no live run holds the output folder, and it can be written (not a file, not read-only);
+- every input path exists and is a regular file or folder (never a FIFO, socket or device);
+- the parallel degrees against the world size, then against the architecture;
+- the architecture itself (config.json values, see models/qwen3/args.py) and
+  `data.seq_len <= max_position_embeddings`;
+- kernel selections against the device and compute dtype;
+- the published weights when they will be loaded: safetensors only (a folder with only
+  pickle weights is refused with how to convert), names, shapes, dtypes and sizes from the
+  headers;
+- the tokenizer against the vocabulary: its largest id, added and special tokens included,
+  must be below the model's vocab_size;
+- the batch layout (global batch a multiple of per-rank batch x data-parallel ranks) and that
+  the model supports the packing asked for.
+
+It returns what it built (the meta-device model with kernels attached, the tokenizer), so
+the trainer does none of it twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titanite import device as devices
+from titanite import kernels
+from titanite.checkpoint.training_state import list_checkpoints
+from titanite.config import Config, ModelConfig
+from titanite.data.packing import packing_mode
+from titanite.data.sources import STDLIB
+from titanite.data.tokenizer import Tokenizer, load_tokenizer
+from titanite.errors import UserError
+from titanite.files import check_writable_folder, require_regular
+from titanite.models.spec import ModelSpec, get_spec
+from titanite.parallel.mesh import ParallelDims
+from titanite.runlock import check_free
+
+log = logging.getLogger("titanite")
+
+# Weight files titanite never loads (unpickling runs code), by pattern.
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+@dataclass
+class Prepared:
+    """What preflight checked and built, for the trainer to use."""
+
+    cfg: Config
+    device: torch.device
+    compute_dtype: torch.dtype
+    dims: ParallelDims
+    spec: ModelSpec
+    model: nn.Module  # on the meta device, kernels attached
+    tokenizer: Tokenizer
+    weights: str | None  # the HF folder to load when not resuming; None = random init
+    grad_accum: int
+
+
+def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
+    """Check everything that can be checked without doing work; see the module docstring."""
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    check_free(cfg.job.output_dir)  # a live run there: stop before doing anything
+    check_writable_folder(cfg.job.output_dir, "job.output_dir")
+    check_input_paths(cfg)
+    device = devices.pick_device(cfg.job.device)
+    dims = ParallelDims.resolve(cfg.parallelism, world_size)
+    grad_accum = _grad_accum_steps(cfg, dims.dp)
+    kernels.load_plugins(cfg.kernels.plugins)
+    spec = get_spec(cfg.model.spec)
+    model = spec.build(cfg.model)
+    hf_config = spec.hf_config(model)
+    max_pos = hf_config.get("max_position_embeddings")
+    if max_pos is not None and cfg.data.seq_len > max_pos:
+        raise UserError(f"config key 'data.seq_len' ({cfg.data.seq_len}) exceeds the model's "
+                        f"max_position_embeddings ({max_pos}); lower data.seq_len")
+    compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    spec.attach_kernels(model, cfg.kernels, device.type, compute_dtype)
+    dims.check_model(hf_config)
+    # A run that will resume reads its weights from the checkpoint, not from model.hf_path.
+    resuming = cfg.checkpoint.resume and bool(list_checkpoints(Path(cfg.job.output_dir) / "checkpoints"))
+    weights = None if resuming else weights_to_load(cfg.model)
+    if weights is not None:
+        spec.check_hf(model, weights)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
+    check_vocab(tokenizer, hf_config["vocab_size"])
+    if packing_mode(cfg.data) == "documents" and not spec.supports_document_masks:
+        raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
+                        f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
+                        "data.packing = 'pad' (one sample per sequence)")
+    return Prepared(cfg, device, compute_dtype, dims, spec, model, tokenizer, weights, grad_accum)
+
+
+def check_input_paths(cfg: Config) -> None:
+    """Every path the config names exists and has the right type (no FIFOs, sockets, devices)."""
+    d = cfg.data
+    if d.path and d.path != STDLIB and not d.dataset_name:
+        require_regular(d.path, "data.path")
+    if cfg.eval.path:
+        require_regular(cfg.eval.path, "eval.path")
+    if d.tokenizer and d.tokenizer != "qwen3":
+        require_regular(d.tokenizer, "data.tokenizer")
+    if d.chat_template:
+        require_regular(d.chat_template, "data.chat_template", folder_ok=False)
+    if cfg.model.hf_path:
+        p = require_regular(cfg.model.hf_path, "model.hf_path")
+        if not p.is_dir():
+            raise UserError(f"model.hf_path: {p} is a file; it must be a Hugging Face model folder "
+                            "(config.json + *.safetensors)")
+
+
+def weights_to_load(m: ModelConfig) -> str | None:
+    """The folder whose safetensors a fresh (not resumed) run loads, or None for random init.
+
+    `init = 'auto'` loads when the folder has safetensors; a folder whose only weights are
+    pickles (pytorch_model.bin, *.pt) is refused rather than silently trained from random
+    weights."""
+    if m.init == "random" or not m.hf_path:
+        return None
+    folder = Path(m.hf_path)
+    if any(folder.glob("*.safetensors")):
+        return m.hf_path
+    pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in folder.glob(pattern))
+    if pickles:
+        raise UserError(
+            f"model.hf_path: {folder} holds weights only as pickle files ({', '.join(pickles[:3])}); "
+            "titanite reads safetensors only, because loading a pickle can run code. Convert once, "
+            "on a machine you trust, with: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')\" and point "
+            "model.hf_path there, or set model.init = 'random' to train from scratch")
+    if m.init == "pretrained":
+        raise UserError(f"config key 'model.init' is 'pretrained' but {folder} has no *.safetensors")
+    log.info("model.hf_path %s has no weights: random init from its config.json", folder)
+    return None
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Every id the tokenizer can produce must index the embedding."""
+    if tokenizer.max_id >= vocab_size:
+        raise UserError(f"the tokenizer {tokenizer.path} produces ids up to {tokenizer.max_id} (added and "
+                        f"special tokens included), but the model's vocab_size is {vocab_size}: every id "
+                        "must be below it. Pick a matching data.tokenizer or model (model.hf_path / "
+                        "model.flavor)")
+
+
+def _grad_accum_steps(cfg: Config, dp: int) -> int:
+    t = cfg.training
+    per_step = t.batch_size * dp
+    global_batch = t.global_batch_size or per_step
+    if global_batch % per_step:
+        raise UserError(f"config key 'training.global_batch_size' ({global_batch}) must be a multiple of "
+                        f"batch_size x data-parallel ranks ({t.batch_size} x {dp})")
+    return global_batch // per_step
