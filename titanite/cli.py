@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from titanite.errors import EXIT_DIVERGED, EXIT_USER_ERROR, TrainingDiverged, UserError
+from titanite.files import STORAGE_ERRNOS, storage_error
 
 log = logging.getLogger("titanite")
 
@@ -21,12 +22,18 @@ def setup_logging() -> None:
 
 
 def _user_errors(fn):
-    """Run fn; a UserError becomes one message and exit 2, divergence exit 3."""
+    """Run fn; a UserError or a storage fault (full disk, read-only folder) becomes one message
+    and exit 2, divergence exit 3."""
     def wrapped(*a, **kw) -> int:
         try:
             return fn(*a, **kw) or 0
         except UserError as e:
             print(f"titanite: error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            print(f"titanite: error: {storage_error(e, 'writing the run')}", file=sys.stderr)
             return EXIT_USER_ERROR
         except TrainingDiverged as e:
             print(f"titanite: training diverged: {e}", file=sys.stderr)
@@ -61,12 +68,31 @@ def run_export(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True, help="a checkpoints/step-N folder")
     parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
     parser.add_argument("--shard-mb", type=int, default=5000, help="largest safetensors shard, MB")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let code shipped in the run's model.hf_path run (hf spec); off by default, "
+                             "whatever the checkpoint's config.toml says")
     args = parser.parse_args(argv)
     setup_logging()
     from titanite.export import export_checkpoint
 
-    export_checkpoint(Path(args.checkpoint), Path(args.out), args.shard_mb)
+    export_checkpoint(Path(args.checkpoint), Path(args.out), args.shard_mb, args.trust_remote_code)
     return 0
+
+
+@_user_errors
+def run_checkpoint(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titanite checkpoint",
+        description="verify DIR: check a training checkpoint (checkpoints/step-N), or every checkpoint of a "
+                    "run folder or checkpoints/ folder, against its manifest (sizes and SHA-256), and read "
+                    "its DCP metadata safely. Exit 0 when all are intact, 2 otherwise.")
+    parser.add_argument("action", choices=("verify",))
+    parser.add_argument("dir", help="checkpoints/step-N, checkpoints/, or a run's output_dir")
+    args = parser.parse_args(argv)
+    setup_logging()
+    from titanite.checkpoint.training_state import verify_command
+
+    return verify_command(Path(args.dir))
 
 
 @_user_errors
@@ -88,6 +114,8 @@ def run_generate(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="auto = bfloat16 on accelerators, float32 on CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let code shipped in a checkpoint's model.hf_path run (hf spec); off by default")
     args = parser.parse_args(argv)
     setup_logging()
     import torch
@@ -100,7 +128,7 @@ def run_generate(argv: list[str]) -> int:
     device = pick_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
-    generator = load_generator(args.model, dtype=dtype, device=device)
+    generator = load_generator(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
     for prompt in args.prompt:
         print(generator.complete(prompt, sampling, system=args.system, raw=args.raw), flush=True)
     return 0
@@ -137,7 +165,7 @@ def run_estimate(argv: list[str]) -> int:
     return estimate_main(argv)
 
 
-COMMANDS = {"train": run_train, "export": run_export, "generate": run_generate, "kernels": run_kernels,
+COMMANDS = {"train": run_train, "export": run_export, "checkpoint": run_checkpoint, "generate": run_generate, "kernels": run_kernels,
             "plot": run_plot, "estimate": run_estimate}
 
 

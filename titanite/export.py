@@ -18,12 +18,21 @@ from titanite.models.spec import ModelSpec, get_spec
 log = logging.getLogger("titanite")
 
 
-def load_checkpoint_model(checkpoint: Path) -> tuple[Config, ModelSpec, nn.Module]:
-    """The run config, its spec, and the model restored on CPU from a checkpoints/step-N folder."""
+def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> tuple[Config, ModelSpec, nn.Module]:
+    """The run config, its spec, and the model restored on CPU from a checkpoints/step-N folder.
+
+    The checkpoint is verified first (manifest, hashes, safe metadata). Its config.toml is data
+    from the checkpoint, so nothing in it may run code: `model.trust_remote_code` is taken from
+    the caller (off unless the user passes it), and `kernels.plugins` is not imported (exports
+    and generation do not need kernels)."""
     config_file = checkpoint / "config.toml"
     if not config_file.is_file():
         raise UserError(f"{checkpoint} has no config.toml: not a titanite checkpoint folder (checkpoints/step-N)")
     cfg = load_config(config_file)
+    if cfg.model.trust_remote_code and not trust_remote_code:
+        log.warning("%s sets model.trust_remote_code = true; ignored (pass --trust-remote-code to allow it)",
+                    config_file)
+    cfg.model.trust_remote_code = trust_remote_code
     spec = get_spec(cfg.model.spec)
     model = spec.build(cfg.model)
     model.to_empty(device="cpu")
@@ -33,8 +42,8 @@ def load_checkpoint_model(checkpoint: Path) -> tuple[Config, ModelSpec, nn.Modul
     return cfg, spec, model
 
 
-def export_checkpoint(checkpoint: Path, out: Path, shard_mb: int) -> Path:
-    cfg, spec, model = load_checkpoint_model(checkpoint)
+def export_checkpoint(checkpoint: Path, out: Path, shard_mb: int, trust_remote_code: bool = False) -> Path:
+    cfg, spec, model = load_checkpoint_model(checkpoint, trust_remote_code)
     tokenizer_files = []
     if cfg.data.tokenizer or cfg.model.hf_path:
         tokenizer_files = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path).files

@@ -216,7 +216,7 @@ class Generator:
 
 
 def load_generator(path: str | Path, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> Generator:
+                   device: str | torch.device = "cpu", trust_remote_code: bool = False) -> Generator:
     """A Generator for a Hugging Face folder, a training checkpoint folder (checkpoints/step-N),
     or a run's output_dir (its latest checkpoint). Raises UserError for anything else."""
     from titanite.checkpoint import training_state
@@ -225,11 +225,12 @@ def load_generator(path: str | Path, dtype: torch.dtype = torch.float32,
     if not folder.is_dir():
         raise UserError(f"--model: {folder} is not a folder")
     if (folder / training_state.STATE_FILE).is_file():
-        return _from_checkpoint(folder, dtype, device)
-    latest = training_state.latest_checkpoint(folder / "checkpoints")
-    if latest is not None:
-        log.info("using the latest checkpoint of %s: %s", folder, latest)
-        return _from_checkpoint(latest, dtype, device)
+        return _from_checkpoint(folder, dtype, device, trust_remote_code)
+    found = training_state.newest_usable(folder / "checkpoints",
+                                         lambda p: _from_checkpoint(p, dtype, device, trust_remote_code))
+    if found is not None:
+        log.info("using the newest usable checkpoint of %s: %s", folder, found[0])
+        return found[1]
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return _from_hf_folder(folder, folder, "", dtype, device)
     raise UserError(f"--model: {folder} is neither a Hugging Face folder (config.json + *.safetensors) "
@@ -247,12 +248,13 @@ def _from_hf_folder(folder: Path, tokenizer_folder: Path, chat_template: str,
     return _assemble(model, tokenizer.path, chat_template, [folder, tokenizer_folder])
 
 
-def _from_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str | torch.device) -> Generator:
+def _from_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str | torch.device,
+                     trust_remote_code: bool) -> Generator:
     from titanite.checkpoint.hf_weights import export_hf
     from titanite.data.tokenizer import load_tokenizer
     from titanite.export import load_checkpoint_model
 
-    cfg, spec, model = load_checkpoint_model(checkpoint)
+    cfg, spec, model = load_checkpoint_model(checkpoint, trust_remote_code)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     sources = [Path(cfg.model.hf_path)] if cfg.model.hf_path else []
     if spec.name != "qwen3":
