@@ -25,8 +25,8 @@ def corpus_texts(n: int = 200) -> list[str]:
     return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(20 + i % 30)) for i in range(n)]
 
 
-@pytest.fixture(scope="session")
-def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+def make_tiny_tokenizer(d: Path) -> Path:
+    """Train a tiny byte-level BPE tokenizer (TINY_VOCAB - 8 ids) on corpus_texts into folder `d`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -35,10 +35,21 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 8, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus_texts(), trainer)
-    d = tmp_path_factory.mktemp("tok")
+    d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return d
+
+
+def write_corpus(path: Path) -> Path:
+    """corpus_texts as JSON lines with a 'text' field."""
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def make_hf_checkpoint(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0, **overrides) -> Path:
@@ -67,9 +78,7 @@ def tiny_hf(tmp_path, tiny_tokenizer_dir) -> Path:
 
 @pytest.fixture
 def tiny_data(tmp_path) -> Path:
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
-    return path
+    return write_corpus(tmp_path / "data.jsonl")
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600, module: str = "titanite.cli",
@@ -90,7 +99,20 @@ def tiny_train_args(hf: Path, data: Path, out: Path, steps: int = 6, **extra) ->
     """Overrides for a few-second run of a tiny model (fp32, CPU, log every step)."""
     opts = {"job.output_dir": out, "model.hf_path": hf, "data.path": data, "data.seq_len": 32,
             "training.steps": steps, "training.batch_size": 4, "training.lr": 1e-3,
-            "training.warmup_steps": 2, "metrics.log_interval": 1, "metrics.peak_tflops": 1.0,
+            "training.warmup_steps": min(2, steps), "metrics.log_interval": 1, "metrics.peak_tflops": 1.0,
             "metrics.progress_bar": "off", "checkpoint.interval": 2}
     opts.update(extra)
     return [f"--{k}={v}" for k, v in opts.items()]
+
+
+def stop_after(trainer, steps: int) -> list[float]:
+    """Drive `steps` optimizer steps of `trainer` by hand, save a checkpoint there (off the
+    checkpoint interval), and release its output folder, as a run interrupted there would.
+    Returns the losses of those steps."""
+    head = []
+    for _ in range(steps):
+        head.append(trainer.train_step()[0])
+        trainer.step += 1
+    trainer._save()
+    trainer.close()
+    return head

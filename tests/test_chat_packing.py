@@ -11,7 +11,7 @@ import transformers
 
 import titanite
 from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
-from tests.conftest import make_hf_checkpoint, read_metrics, tiny_train_args
+from tests.conftest import make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
 from titanite.config import DataConfig, load_config
 from titanite.data import load_tokenizer
 from titanite.data.chat import IGNORE_INDEX, ChatStats, chat_samples
@@ -214,11 +214,7 @@ def test_chat_run_resumes_like_an_uninterrupted_run(tmp_path, chat_hf, chat_data
     Trainer(load_config(None, tiny_train_args(chat_hf, chat_data, full, steps=8, **extra))).train()
     first = Trainer(load_config(None, tiny_train_args(chat_hf, chat_data, split, steps=8, **extra)))
     assert 4 < first.loader.batches_per_epoch < 8  # the resumed half starts a new epoch
-    head = []
-    for _ in range(4):
-        head.append(first.train_step()[0])
-        first.step += 1
-    first._save()
+    head = stop_after(first, 4)
     Trainer(load_config(None, tiny_train_args(chat_hf, chat_data, split, steps=8, **extra))).train()
     want = read_metrics(full)
     assert head + [r["loss"] for r in read_metrics(split)][-4:] == [r["loss"] for r in want]

@@ -36,7 +36,7 @@ def test_console_script_is_installed():
 def test_demo_config_smoke(tmp_path):
     """configs/demo.toml as `make train` runs it, shortened: real tokenizer, stdlib data, export."""
     out = tmp_path / "demo"
-    proc = run_cli("train", "--config", "configs/demo.toml", f"--job.output_dir={out}", "--training.steps=3",
+    proc = run_cli("train", "--config", "configs/demo.toml", f"--job.output_dir={out}", "--training.steps=3", "--training.warmup_steps=1",
                    "--data.max_files=30", "--checkpoint.interval=2", check=True)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 3]

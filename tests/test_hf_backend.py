@@ -14,7 +14,8 @@ import transformers
 from safetensors.torch import load_file
 
 import titanite
-from tests.conftest import REPO, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, tiny_train_args
+from tests.conftest import (REPO, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, stop_after,
+                            tiny_train_args)
 from titanite.config import ModelConfig, load_config
 from titanite.errors import UserError
 from titanite.models.spec import get_spec
@@ -318,11 +319,7 @@ def test_resume_matches_uninterrupted_moe(tmp_path, tiny_tokenizer_dir, tiny_dat
     full, split = tmp_path / "full", tmp_path / "split"
     train(args(full))
     first = Trainer(load_config(None, args(split)))
-    head = []
-    for _ in range(3):
-        head.append(first.train_step()[0])
-        first.step += 1
-    first._save()
+    head = stop_after(first, 3)
     resumed = train(args(split))
     assert resumed.model.hf.lm_head.weight is resumed.model.hf.get_input_embeddings().weight
     assert head + losses(split) == losses(full)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_hf_checkpoint, read_metrics, tiny_train_args
+from tests.conftest import make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
 from titanite.checkpoint import training_state
 from titanite.config import ModelConfig, load_config
 from titanite.models.qwen3.moe import moe_layers
@@ -53,11 +53,7 @@ def test_resume_with_balancing_bias_reproduces_uninterrupted(tmp_path, tiny_moe,
     uninterrupted = Trainer(load_config(None, moe_args(tiny_moe, tiny_data, full)))
     uninterrupted.train()
     first = Trainer(load_config(None, moe_args(tiny_moe, tiny_data, split)))
-    head = []
-    for _ in range(2):  # stop after step 2, off the checkpoint interval, and save there
-        head.append(first.train_step()[0])
-        first.step += 1
-    first._save()
+    head = stop_after(first, 2)
     saved = biases(first.model)
     # The saved bias changes which experts are chosen, so a resume that lost it would diverge.
     router = moe_layers(first.model)[0][1].router

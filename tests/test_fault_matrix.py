@@ -1,0 +1,15 @@
+"""A short run of the fault matrix (tests/faults/matrix.py): kill -9 at three points of a
+checkpoint save, each resumed to the uninterrupted run's losses bitwise. The full matrix (20
+kills, a real full disk, a corrupt newest checkpoint) is `python -m tests.faults.matrix`; its
+counts are in docs/reliability.md."""
+
+import pytest
+
+from tests.faults import matrix
+
+
+@pytest.mark.slow
+def test_kills_during_a_save_resume_exactly():
+    trials = matrix.main(["--kills", "3", "--skip-disk", "--skip-corrupt"])
+    assert len(trials) == 3
+    assert all(t.survived for t in trials), [(t.detail, t.why) for t in trials if not t.survived]
