@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from titanite.kernels.attach import DEFAULTS, Kernel, attach, iter_kernels
 from titanite.kernels.plugins import load_plugins
-from titanite.kernels.reference_ops import IGNORE_INDEX
+from titanite.kernels.reference_ops import IGNORE_INDEX, block_causal_mask
 from titanite.kernels.registry import OPS, REFERENCE, Impl, implementations, reference, register
 
-__all__ = ["DEFAULTS", "IGNORE_INDEX", "OPS", "REFERENCE", "Impl", "Kernel", "attach", "implementations",
-           "iter_kernels", "load_plugins", "op", "reference", "register"]
+__all__ = ["DEFAULTS", "IGNORE_INDEX", "OPS", "REFERENCE", "Impl", "Kernel", "attach", "block_causal_mask",
+           "implementations", "iter_kernels", "load_plugins", "op", "reference", "register"]
 
 
 def op(name: str) -> Kernel:

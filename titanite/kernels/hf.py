@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from titanite.kernels.attach import Kernel
-from titanite.kernels.torch_impls import block_causal_mask
+from titanite.kernels.reference_ops import block_causal_mask
 
 NAME = "titanite"
 _registered = False

@@ -38,22 +38,38 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
 
 
+def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [q_len, kv_len]: the queries are the last q_len positions of the kv_len ones (a KV
+    cache holds the earlier ones), and query i sees keys up to its own position."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, S, S] from document ids [B, S]: query i sees key j iff j <= i and both are in
+    the same document (packed samples)."""
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, S, S]
+    return (causal_mask(document_ids.shape[1], document_ids.shape[1], document_ids.device) & same)[:, None]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal GQA attention. q: [B, Hq, S, D]; k, v: [B, Hk, S, D] with Hq % Hk == 0.
+    """Causal GQA attention. q: [B, Hq, Sq, D]; k, v: [B, Hk, Sk, D] with Hq % Hk == 0 and
+    Sq <= Sk: the queries are the last Sq positions (Sq < Sk when earlier keys come from a KV
+    cache), and each sees the keys up to its own position.
 
-    document_ids: optional int [B, S]; when given, a token attends only to earlier tokens of its
-    own document (block-causal, for packed sequences). Softmax in fp32. Returns [B, Hq, S, D]
-    in q's dtype.
+    document_ids: optional int [B, S] (Sq == Sk); when given, a token attends only to earlier
+    tokens of its own document (block-causal, for packed sequences). Softmax in fp32. Returns
+    [B, Hq, Sq, D] in q's dtype.
     """
-    S = q.shape[2]
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
-    scores = (q.float() @ kf.transpose(-1, -2)) * scale  # [B, Hq, S, S]
-    allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    if document_ids is not None:
-        allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+    scores = (q.float() @ kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
+    if document_ids is None:
+        allowed = causal_mask(q.shape[2], k.shape[2], q.device)
+    else:
+        assert q.shape[2] == k.shape[2], "packed documents need the whole sequence (no KV cache)"
+        allowed = block_causal_mask(document_ids)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ vf).to(q.dtype)
 
@@ -72,12 +88,20 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob
     int64 [T, K]); topk_weights are renormalised to sum to 1 when norm_topk_prob.
     """
     probs = F.linear(x, weight).float().softmax(dim=-1)
+    return (probs, *select_experts(probs, top_k, norm_topk_prob, bias))
+
+
+def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice from its fp32 probabilities [T, E]: (topk_weights fp32 [T, K],
+    topk_ids int64 [T, K]). `bias` steers only the choice; the weights are the probabilities
+    of the chosen experts, renormalised to sum to 1 when norm_topk_prob."""
     choice = probs if bias is None else probs + bias
     topk_ids = choice.topk(top_k, dim=-1).indices
     topk_weights = probs.gather(-1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return probs, topk_weights, topk_ids
+    return topk_weights, topk_ids
 
 
 def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -102,16 +126,15 @@ def moe_experts(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, 
     order; counts int64 [E], sum = N). w_gate_up: [E, 2I, H] (gate rows first, then up);
     w_down: [E, H, I]. Row n of expert e: w_down[e] @ (silu(gate) * up). Returns [N, H], x's dtype.
     """
-    out = []
-    start = 0
+    assert int(counts.sum()) == x.shape[0], f"counts sum to {int(counts.sum())}, x has {x.shape[0]} rows"
     inter = w_down.shape[-1]
-    for e, n in enumerate(counts.tolist()):
-        rows = x[start:start + n]
-        gate_up = rows @ w_gate_up[e].t()
-        out.append(swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ w_down[e].t())
-        start += n
-    assert start == x.shape[0], f"counts sum to {start}, x has {x.shape[0]} rows"
-    return torch.cat(out).to(x.dtype) if out else x.new_zeros(x.shape)
+    outs = []
+    # unbind views: each expert's weight gradient is a slice of one stacked gradient, not a
+    # full-size zero tensor per expert as indexing w[e] would give.
+    for rows, w_gu, w_d in zip(x.split(counts.tolist()), w_gate_up.unbind(0), w_down.unbind(0)):
+        gate_up = rows @ w_gu.t()
+        outs.append(swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ w_d.t())
+    return torch.cat(outs).to(x.dtype)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titanite.kernels.registry import register
-from titanite.kernels.reference_ops import swiglu
+from titanite.kernels.reference_ops import block_causal_mask, causal_mask, moe_experts, swiglu
 
 log = logging.getLogger("titanite")
 
@@ -30,20 +30,18 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
-def block_causal_mask(document_ids: Tensor) -> Tensor:
-    """bool [B, 1, S, S]: query i sees key j iff j <= i and both are in the same document."""
-    S = document_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
-    return (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
-
-
 @register("attention", "sdpa")
 def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | None = None) -> Tensor:
     """F.scaled_dot_product_attention: is_causal (flash / efficient kernels) for whole sequences,
-    an explicit block-causal mask for packed documents."""
+    no mask for one new token over a KV cache, an explicit mask for a chunk over a cache or for
+    packed documents."""
+    gqa = q.shape[1] != k.shape[1]
+    q_len, kv_len = q.shape[2], k.shape[2]
     if document_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        if q_len == kv_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # one token sees every key
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     # Masked GQA reaches only the math kernel on some devices; repeating K/V keeps the
     # memory-efficient kernel available, at the cost of the repeated K/V.
     rep = q.shape[1] // k.shape[1]
@@ -54,24 +52,26 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | N
 _flex_cache: dict = {}
 
 
-def _flex_block_mask(document_ids: Tensor | None, B: int, S: int, device: torch.device):
+def _flex_block_mask(document_ids: Tensor | None, B: int, q_len: int, kv_len: int, device: torch.device):
     """A flex BlockMask; reused while the same document_ids tensor comes back (every layer of a step)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = ("causal", S, str(device)) if document_ids is None else ("docs", id(document_ids), S)
+    key = ("causal", q_len, kv_len, str(device)) if document_ids is None else ("docs", id(document_ids), q_len)
     hit = _flex_cache.get(key)
     if hit is not None and (document_ids is None or hit[0] is document_ids):
         return hit[1]
     if document_ids is None:
+        offset = kv_len - q_len  # the queries are the last q_len positions
+
         def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-        block_mask = create_block_mask(mask_mod, None, None, S, S, device=device)
+            return q_idx + offset >= kv_idx
+        block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
     else:
         docs = document_ids
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-        block_mask = create_block_mask(mask_mod, B, None, S, S, device=device)
+        block_mask = create_block_mask(mask_mod, B, None, q_len, kv_len, device=device)
     _flex_cache.clear()  # one step's mask at a time; the next batch brings new document ids
     _flex_cache[key] = (document_ids, block_mask)
     return block_mask
@@ -88,8 +88,7 @@ def _compiled_flex():
 def flex(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | None = None) -> Tensor:
     """flex_attention (compiled) with a causal or block-causal BlockMask: skips fully masked
     blocks, so packed documents cost only their own blocks. No CPU backward, hence CUDA only."""
-    B, _, S, _ = q.shape
-    block_mask = _flex_block_mask(document_ids, B, S, q.device)
+    block_mask = _flex_block_mask(document_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -103,7 +102,7 @@ def grouped_mm(x: Tensor, counts: Tensor, w_gate_up: Tensor, w_down: Tensor) -> 
     hidden, inter = w_down.shape[-2:]
     if hidden % row_elems or inter % row_elems:
         _warn_unaligned(hidden, inter, dtype, row_elems)
-        return _expert_loop(x.to(dtype), counts, w_gate_up.to(dtype), w_down.to(dtype)).to(x.dtype)
+        return moe_experts(x.to(dtype), counts, w_gate_up.to(dtype), w_down.to(dtype)).to(x.dtype)
     if dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # _grouped_mm's fake (meta) kernel accepts only bf16, though the eager op runs fp32 and
         # fp16: under torch.compile other dtypes run eagerly, outside the graph. (Wrapped here,
@@ -125,18 +124,6 @@ def _warn_unaligned(hidden: int, inter: int, dtype: torch.dtype, row_elems: int)
     log.warning("moe.experts grouped_mm: hidden size %d and expert intermediate size %d must both be "
                 "multiples of %d for %s; running a per-expert loop instead (same math, slower)",
                 hidden, inter, row_elems, str(dtype).removeprefix("torch."))
-
-
-def _expert_loop(x: Tensor, counts: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
-    """Per-expert SwiGLU over `unbind` views of the stacked weights: each expert's weight
-    gradient is one slice of a single stack, not a full-size zero tensor per expert as indexing
-    w[e] gives. Syncs the host for the split sizes."""
-    inter = w_down.shape[-1]
-    outs = []
-    for rows, w_gu, w_d in zip(x.split(counts.tolist()), w_gate_up.unbind(0), w_down.unbind(0)):
-        gate_up = rows @ w_gu.t()
-        outs.append(swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ w_d.t())
-    return torch.cat(outs)
 
 
 class _PermuteRows(torch.autograd.Function):
