@@ -48,8 +48,9 @@ import torch.nn.functional as F
 import transformers
 
 from titanite.config import load_config
-from titanite.models.qwen3.spec import flops_per_token
-from titanite.trainer import IGNORE_INDEX, Trainer
+from titanite.models.flops import flops_per_token
+from titanite.kernels import IGNORE_INDEX
+from titanite.trainer import Trainer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

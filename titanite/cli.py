@@ -63,11 +63,13 @@ def run_train(argv: list[str]) -> int:
 
 @_user_errors
 def run_export(argv: list[str]) -> int:
+    from titanite.config import DEFAULT_SHARD_MB
+
     parser = argparse.ArgumentParser(prog="titanite export",
                                      description="Turn a training checkpoint into a Hugging Face folder.")
     parser.add_argument("--checkpoint", required=True, help="a checkpoints/step-N folder")
     parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
-    parser.add_argument("--shard-mb", type=int, default=5000, help="largest safetensors shard, MB")
+    parser.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_MB, help="largest safetensors shard, MB")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let code shipped in the run's model.hf_path run (hf spec); off by default, "
                              "whatever the checkpoint's config.toml says")

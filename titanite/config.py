@@ -19,6 +19,9 @@ from typing import Any
 from titanite.errors import UserError, did_you_mean
 
 
+DEFAULT_SHARD_MB = 5000  # the largest safetensors shard of an HF export, as the Hub's own exports
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with a help string (lists and dicts get a default factory)."""
     if isinstance(default, (list, dict)):
@@ -109,7 +112,7 @@ class CheckpointConfig:
     keep_latest: int = _f(3, "Keep this many newest checkpoints; 0 keeps all.")
     resume: bool = _f(True, "Resume from the latest complete checkpoint in output_dir when one exists.")
     export_hf: bool = _f(True, "Write a Hugging Face folder to <output_dir>/hf at the end.")
-    export_shard_mb: int = _f(5000, "Largest safetensors shard in an HF export, in MB.")
+    export_shard_mb: int = _f(DEFAULT_SHARD_MB, "Largest safetensors shard in an HF export, in MB.")
 
 
 @dataclass

@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass
 
 from titanite.config import Config
-from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config
-from titanite.models.qwen3.spec import flops_per_token
+from titanite.models.flops import flops_per_token
+from titanite.models.handle import ActivationProfile
+from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
 
 GiB = 2**30
@@ -122,7 +123,7 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
     return block_input + 2 * Hq * D + 2 * Hk * D + Hq + H + mlp_kept
 
 
-def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, fused_loss: bool, value_bytes: int,
+def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: bool, value_bytes: int,
                      sp: bool = True) -> tuple[float, float]:
     """(bytes kept for backward at the end of forward, bytes of the one block recomputed in
     backward) for one micro-batch of `tokens` tokens on one rank."""
@@ -137,16 +138,23 @@ def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, fused_loss: bo
     per_token += seq * (2 * H + 1) + H + 2 * a.head_dim + 2
     # The loss: the chunked fused loss keeps one fp32 log-sum-exp per token; otherwise the
     # (vocab-sharded) logits and their log-softmax stay alive until backward.
-    per_token += 1 if fused_loss else 2 * a.vocab_size / tp
+    per_token += 2 * a.vocab_size / tp if keeps_logits else 1
     return per_token * tokens * value_bytes, recompute * tokens * value_bytes
 
 
-def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None) -> Estimate:
-    """The estimate for `cfg` on `world_size` ranks. `args` defaults to the config's model."""
+def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
+             profile: ActivationProfile | None = None) -> Estimate:
+    """The estimate for `cfg` on `world_size` ranks. The config's model is built on the meta
+    device and its layout checked as training checks it; `args` (another architecture, for
+    what-if estimates) and `profile` override what that model says."""
+    from titanite.models.spec import get_spec
+    from titanite.preflight import check_layout
+
     d = ParallelDims.resolve(cfg.parallelism, world_size)
-    if args is None:
-        args = model_args(cfg)
-    d.check_model(to_hf_config(args))
+    handle = get_spec(cfg.model.spec).build(cfg.model)
+    check_layout(d, handle)
+    args = args or handle.args
+    profile = profile or handle.activation_profile(cfg.kernels, d.tp)
     a, t = args, cfg.training
     layers = [_layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
     top = _top_tensors(a, d.tp)
@@ -161,24 +169,13 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None) -> Est
         transient = (root + 2 * biggest) * param_bytes + biggest * 4
     tokens = t.batch_size * cfg.data.seq_len
     value_bytes = 2 if t.mixed_precision == "bf16" else 4
-    fused_loss = (cfg.model.spec == "qwen3" and d.tp == 1
-                  and cfg.kernels.select.get("loss", "chunked") == "chunked")
-    # The transformers backend's tensor-parallel plan keeps the residual stream whole.
-    kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint, fused_loss,
-                                       value_bytes, sp=cfg.model.spec == "qwen3")
+    kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
+                                       profile.keeps_logits, value_bytes, sp=profile.sequence_parallel)
     global_tokens = (t.global_batch_size or t.batch_size * d.dp) * cfg.data.seq_len
     flops = flops_per_token(a, cfg.data.seq_len) * global_tokens / world_size
     if cfg.parallelism.activation_checkpoint == "full":
         flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
     return Estimate(d, local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient, flops, global_tokens)
-
-
-def model_args(cfg: Config) -> Qwen3Args:
-    """The architecture a run of `cfg` trains (config.json when model.hf_path is set)."""
-    from titanite.models.spec import get_spec
-
-    spec = get_spec(cfg.model.spec)
-    return from_hf_config(spec.hf_config(spec.build(cfg.model)))
 
 
 def report(e: Estimate, cfg: Config) -> str:

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from titanite.config import Config
-from titanite.data.chat import IGNORE_INDEX
 from titanite.data.packing import SampleWindows, StreamWindows, build_sample_windows, pack_documents, packing_mode
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
+from titanite.kernels import IGNORE_INDEX
 
 log = logging.getLogger("titanite")
 

@@ -6,20 +6,20 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from titanite.checkpoint import training_state
 from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, load_config
 from titanite.data.tokenizer import load_tokenizer
 from titanite.errors import UserError
-from titanite.models.spec import ModelSpec, get_spec
+from titanite.models.handle import ModelHandle
+from titanite.models.spec import get_spec
 
 log = logging.getLogger("titanite")
 
 
-def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> tuple[Config, ModelSpec, nn.Module]:
-    """The run config, its spec, and the model restored on CPU from a checkpoints/step-N folder.
+def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> tuple[Config, ModelHandle]:
+    """The run config and its model, restored on CPU from a checkpoints/step-N folder.
 
     The checkpoint is verified first (manifest, hashes, safe metadata). Its config.toml is data
     from the checkpoint, so nothing in it may run code: `model.trust_remote_code` is taken from
@@ -33,21 +33,20 @@ def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> 
         log.warning("%s sets model.trust_remote_code = true; ignored (pass --trust-remote-code to allow it)",
                     config_file)
     cfg.model.trust_remote_code = trust_remote_code
-    spec = get_spec(cfg.model.spec)
-    model = spec.build(cfg.model)
-    model.to_empty(device="cpu")
-    spec.init_buffers(model)
+    handle = get_spec(cfg.model.spec).build(cfg.model)
+    handle.module.to_empty(device="cpu")
+    handle.init_buffers()
     with torch.no_grad():
-        training_state.load(checkpoint, model, optimizer=None)
-    return cfg, spec, model
+        training_state.load(checkpoint, handle.module, optimizer=None)
+    return cfg, handle
 
 
 def export_checkpoint(checkpoint: Path, out: Path, shard_mb: int, trust_remote_code: bool = False) -> Path:
-    cfg, spec, model = load_checkpoint_model(checkpoint, trust_remote_code)
+    cfg, handle = load_checkpoint_model(checkpoint, trust_remote_code)
     tokenizer_files = []
     if cfg.data.tokenizer or cfg.model.hf_path:
         tokenizer_files = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path).files
-    path = export_hf(spec.hf_state_dict(model), spec.hf_config(model), out, shard_mb,
+    path = export_hf(handle.hf_state_dict(), handle.hf_config(), out, shard_mb,
                      source_folders=[cfg.model.hf_path], tokenizer_files=tokenizer_files)
     log.info("exported %s to %s", checkpoint, path)
     return path

@@ -1,11 +1,10 @@
 """`titanite generate`: text from a Hugging Face folder or a training checkpoint, with a KV cache.
 
-Generation runs on the native Qwen3 modules. The training forward is left as it is: while
-generating, each block's `attention` is swapped for a `CachedAttention` that uses the same
-weights, appends the new keys/values to a preallocated cache and attends over everything
-cached so far. The rest of each block (norms, dense or MoE feed-forward) runs unchanged, so
-prefill and every decode step compute exactly what the full forward computes for those
-positions.
+Generation runs on the native Qwen3 modules, with the model's own KV cache argument
+(models/qwen3/kv_cache.py): each attention appends the new keys/values to a preallocated cache
+and attends over everything cached so far through the `attention` op, so prefill and every
+decode step compute exactly what the full forward computes for those positions. A model of
+another backend is exported to a temporary Hugging Face folder and loaded natively.
 
 Decoding is greedy (temperature 0) or sampled with temperature and nucleus (top-p)
 filtering, seeded. Chat models (a tokenizer with a chat template) get their prompt rendered
@@ -14,105 +13,39 @@ with the template and its generation prompt, and stop at the end-of-turn token.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from titanite.config import DEFAULT_SHARD_MB
 from titanite.data.chat_template import ChatTemplate, find_chat_template
 from titanite.errors import UserError
+from titanite.models.qwen3.kv_cache import KVCache
+from titanite.models.qwen3.model import Qwen3
+from titanite.models.spec import GENERATION_SPEC
 
 log = logging.getLogger("titanite")
 
 
-class KVCache:
-    """Keys and values of every layer, preallocated: k, v are [L, B, Hk, max_len, D].
-
-    `length` positions are filled; a forward over n new tokens writes positions
-    [length, length + n) in every layer, then `advance(n)` commits them.
-    """
-
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-
-class CachedAttention(nn.Module):
-    """Stands in for one block's `Attention` while generating (same weights, same math)."""
-
-    def __init__(self, attention: nn.Module, cache: KVCache, layer: int) -> None:
-        super().__init__()
-        self.inner, self.cache, self.layer = attention, cache, layer
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, n, H] for positions [cache.length, cache.length + n) -> [B, n, H]."""
-        assert document_ids is None, "generation runs one sequence per row"
-        a, c = self.inner, self.cache
-        B, n, _ = x.shape
-        q = a.q_norm(a.wq(x).view(B, n, -1, a.head_dim)).transpose(1, 2)  # [B, Hq, n, D]
-        k = a.k_norm(a.wk(x).view(B, n, -1, a.head_dim)).transpose(1, 2)  # [B, Hk, n, D]
-        v = a.wv(x).view(B, n, -1, a.head_dim).transpose(1, 2)  # [B, Hk, n, D]
-        q, k = a.rope(q, k, cos, sin)
-        start, end = c.length, c.length + n
-        if end > c.max_len:
-            raise AssertionError(f"KV cache holds {c.max_len} positions, asked for {end}")
-        c.k[self.layer, :, :, start:end] = k
-        c.v[self.layer, :, :, start:end] = v
-        keys, values = c.k[self.layer, :, :, :end], c.v[self.layer, :, :, :end]  # [B, Hk, end, D]
-        # Query i sits at position start + i and sees keys 0..start + i. One new token sees all
-        # (no mask); a first chunk is plain causal; a later chunk needs the offset mask.
-        mask, causal = None, False
-        if n > 1 and start == 0:
-            causal = True
-        elif n > 1:
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                             scale=a.head_dim ** -0.5, enable_gqa=q.shape[1] != keys.shape[1])
-        return a.wo(out.transpose(1, 2).reshape(B, n, -1))
-
-
-def new_cache(model: nn.Module, batch: int, max_len: int) -> KVCache:
+def new_cache(model: Qwen3, batch: int, max_len: int) -> KVCache:
     """An empty cache sized for `model` (a native Qwen3), in its parameters' dtype and device."""
     a = model.args
     p = next(model.parameters())
     return KVCache(a.num_layers, batch, a.num_kv_heads, a.head_dim, max_len, p.dtype, p.device)
 
 
-@contextlib.contextmanager
-def cached_attention(model: nn.Module, cache: KVCache) -> Iterator[None]:
-    """Within the block, every layer's attention reads and extends `cache`."""
-    originals = [layer.attention for layer in model.layers]
-    try:
-        for i, layer in enumerate(model.layers):
-            layer.attention = CachedAttention(originals[i], cache, i)
-        yield
-    finally:
-        for layer, original in zip(model.layers, originals, strict=True):
-            layer.attention = original
-
-
-def forward_cached(model: nn.Module, ids: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:
+def forward_cached(model: Qwen3, ids: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:
     """Logits for `ids` [B, n] continuing the cached sequence: [B, V] for the last position
-    (last_only), else [B, n, V]. Call inside `cached_attention(model, cache)`."""
+    (last_only), else [B, n, V]."""
     n = ids.shape[1]
     positions = torch.arange(cache.length, cache.length + n, device=ids.device).expand(ids.shape[0], -1)
-    h = model.hidden_states(ids, position_ids=positions)  # [B, n, H]
+    h = model.hidden_states(ids, position_ids=positions, kv_cache=cache)  # [B, n, H]
     cache.advance(n)
     if last_only:
         h = h[:, -1]
@@ -161,7 +94,7 @@ def sample_next(logits: torch.Tensor, s: Sampling, generator: torch.Generator | 
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: Sequence[int], sampling: Sampling,
+def generate(model: Qwen3, prompt: Sequence[int], sampling: Sampling,
              stop_ids: Sequence[int] = ()) -> list[int]:
     """New token ids after `prompt`, up to max_new_tokens; a stop id ends it (and is included)."""
     device = next(model.parameters()).device
@@ -172,14 +105,13 @@ def generate(model: nn.Module, prompt: Sequence[int], sampling: Sampling,
     was_training = model.training
     model.eval()
     try:
-        with cached_attention(model, cache):
-            logits = forward_cached(model, torch.tensor([list(prompt)], device=device), cache)
-            while len(out) < sampling.max_new_tokens:
-                token = sample_next(logits, sampling, generator)  # [1]
-                out.append(int(token))
-                if out[-1] in stops or len(out) == sampling.max_new_tokens:
-                    break
-                logits = forward_cached(model, token[:, None], cache)
+        logits = forward_cached(model, torch.tensor([list(prompt)], device=device), cache)
+        while len(out) < sampling.max_new_tokens:
+            token = sample_next(logits, sampling, generator)  # [1]
+            out.append(int(token))
+            if out[-1] in stops or len(out) == sampling.max_new_tokens:
+                break
+            logits = forward_cached(model, token[:, None], cache)
     finally:
         model.train(was_training)
     return out
@@ -192,7 +124,7 @@ def generate(model: nn.Module, prompt: Sequence[int], sampling: Sampling,
 class Generator:
     """A model ready to generate, with what it needs to read prompts and write text."""
 
-    model: nn.Module
+    model: Qwen3
     tokenizer_json: Path
     template: ChatTemplate | None
     stop_ids: list[int]
@@ -243,7 +175,7 @@ def _from_hf_folder(folder: Path, tokenizer_folder: Path, chat_template: str,
     from titanite.api import load_pretrained
     from titanite.data.tokenizer import load_tokenizer
 
-    model = load_pretrained(folder, spec="qwen3", dtype=dtype, device=device)
+    model = load_pretrained(folder, spec=GENERATION_SPEC, dtype=dtype, device=device)
     tokenizer = load_tokenizer(str(tokenizer_folder))
     return _assemble(model, tokenizer.path, chat_template, [folder, tokenizer_folder])
 
@@ -254,22 +186,22 @@ def _from_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str | torch.d
     from titanite.data.tokenizer import load_tokenizer
     from titanite.export import load_checkpoint_model
 
-    cfg, spec, model = load_checkpoint_model(checkpoint, trust_remote_code)
+    cfg, handle = load_checkpoint_model(checkpoint, trust_remote_code)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     sources = [Path(cfg.model.hf_path)] if cfg.model.hf_path else []
-    if spec.name != "qwen3":
-        # Another backend's model: go through its HF export, which the native model loads.
+    if not handle.supports_generation:
+        # Another backend's model: go through its HF export, which the generating backend loads.
         with tempfile.TemporaryDirectory() as tmp:
-            export_hf(spec.hf_state_dict(model), spec.hf_config(model), Path(tmp) / "hf", 5000)
-            del model
+            export_hf(handle.hf_state_dict(), handle.hf_config(), Path(tmp) / "hf", DEFAULT_SHARD_MB)
+            del handle
             return _from_hf_folder(Path(tmp) / "hf", tokenizer.path.parent, cfg.data.chat_template,
                                    dtype, device)
-    model.to(device=device, dtype=dtype)
-    spec.init_buffers(model)
-    return _assemble(model.eval(), tokenizer.path, cfg.data.chat_template, sources)
+    handle.module.to(device=device, dtype=dtype)
+    handle.init_buffers()
+    return _assemble(handle.module.eval(), tokenizer.path, cfg.data.chat_template, sources)
 
 
-def _assemble(model: nn.Module, tokenizer_json: Path, chat_template: str, folders: list[Path]) -> Generator:
+def _assemble(model: Qwen3, tokenizer_json: Path, chat_template: str, folders: list[Path]) -> Generator:
     template = find_chat_template(tokenizer_json, chat_template)
     stop = set(_eos_ids(folders, tokenizer_json))
     if template is not None:

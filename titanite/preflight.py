@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from titanite import device as devices
 from titanite import kernels
@@ -42,7 +41,8 @@ from titanite.data.sources import STDLIB
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
 from titanite.errors import UserError
 from titanite.files import check_writable_folder, require_regular
-from titanite.models.spec import ModelSpec, get_spec
+from titanite.models.handle import ModelHandle
+from titanite.models.spec import get_spec
 from titanite.parallel.mesh import ParallelDims
 from titanite.runlock import check_free
 
@@ -60,8 +60,7 @@ class Prepared:
     device: torch.device
     compute_dtype: torch.dtype
     dims: ParallelDims
-    spec: ModelSpec
-    model: nn.Module  # on the meta device, kernels attached
+    handle: ModelHandle  # the model on the meta device, kernels attached
     tokenizer: Tokenizer
     weights: str | None  # the HF folder to load when not resuming; None = random init
     grad_accum: int
@@ -77,28 +76,36 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     dims = ParallelDims.resolve(cfg.parallelism, world_size)
     grad_accum = _grad_accum_steps(cfg, dims.dp)
     kernels.load_plugins(cfg.kernels.plugins)
-    spec = get_spec(cfg.model.spec)
-    model = spec.build(cfg.model)
-    hf_config = spec.hf_config(model)
+    handle = get_spec(cfg.model.spec).build(cfg.model)
+    hf_config = handle.hf_config()
     max_pos = hf_config.get("max_position_embeddings")
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise UserError(f"config key 'data.seq_len' ({cfg.data.seq_len}) exceeds the model's "
                         f"max_position_embeddings ({max_pos}); lower data.seq_len")
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    spec.attach_kernels(model, cfg.kernels, device.type, compute_dtype)
-    dims.check_model(hf_config)
+    handle.attach_kernels(cfg.kernels, device.type, compute_dtype)
+    check_layout(dims, handle)
     # A run that will resume reads its weights from the checkpoint, not from model.hf_path.
     resuming = cfg.checkpoint.resume and bool(list_checkpoints(Path(cfg.job.output_dir) / "checkpoints"))
     weights = None if resuming else weights_to_load(cfg.model)
     if weights is not None:
-        spec.check_hf(model, weights)
+        handle.check_hf(weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
-    if packing_mode(cfg.data) == "documents" and not spec.supports_document_masks:
+    if packing_mode(cfg.data) == "documents" and not handle.supports_document_masks:
         raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
                         "data.packing = 'pad' (one sample per sequence)")
-    return Prepared(cfg, device, compute_dtype, dims, spec, model, tokenizer, weights, grad_accum)
+    return Prepared(cfg, device, compute_dtype, dims, handle, tokenizer, weights, grad_accum)
+
+
+def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
+    """The parallel degrees against the architecture and what the backend can shard."""
+    dims.check_model(handle.hf_config())
+    if dims.ep > 1 and not handle.supports_expert_parallel:
+        raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
+                        f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "
+                        "parallelism.ep = 1")
 
 
 def check_input_paths(cfg: Config) -> None:

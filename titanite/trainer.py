@@ -1,6 +1,7 @@
 """The training loop: build -> (resume) -> step -> log -> checkpoint -> export.
 
-Backend-specific work goes through the ModelSpec; this file never asks which backend it runs.
+Backend-specific work goes through the model handle (titanite/models/handle.py); this file never
+asks which backend it runs.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ from titanite.data.loader import PackedLoader
 from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
-from titanite.models.spec import TrainOutput
+from titanite.kernels import IGNORE_INDEX
+from titanite.models.handle import TrainOutput
 from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
 from titanite.parallel.grad_norm import clip_grad_norm_
+from titanite.parallel.plans import parallelize
 from titanite.preflight import Prepared, preflight
 from titanite.runlock import RunLock
 
 log = logging.getLogger("titanite")
-IGNORE_INDEX = -100
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
 
 
@@ -42,12 +44,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Summed token cross-entropy in fp32. logits [B, S, V], labels [B, S] (IGNORE_INDEX skipped)."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
-
-
-def output_loss_sum(out: TrainOutput, labels: torch.Tensor) -> torch.Tensor:
-    """The summed cross-entropy of a training forward: the model's own (the `loss` kernel op)
-    when it gives one, else computed here from its logits."""
-    return out.loss_sum if out.loss_sum is not None else cross_entropy_sum(out.logits, labels)
 
 
 class Trainer:
@@ -69,7 +65,7 @@ class Trainer:
 
     def _start(self, ready: Prepared) -> None:
         cfg = self.cfg
-        self.device, self.spec, self.model = ready.device, ready.spec, ready.model
+        self.device, self.handle, self.model = ready.device, ready.handle, ready.handle.module
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
         self.config_toml = to_toml(cfg)
@@ -81,7 +77,7 @@ class Trainer:
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
         self._materialize(ready.weights, resuming)
-        self.model = self.spec.parallelize(self.model, self.world, cfg)
+        parallelize(self.handle, self.world, cfg)
         self.optimizer = build_optimizer(self.model, cfg.training)
         if resuming:
             path, state = training_state.resume(self.ckpt_root, self.model, self.optimizer)
@@ -92,13 +88,13 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if cfg.training.mixed_precision == "bf16" else contextlib.nullcontext())
         self.peak_flops = devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops)
-        self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
+        self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
         if self.rank == 0:  # the first file a run writes, once everything it needs has loaded
             (self.out / "config.toml").write_text(self.config_toml)
         self.metrics = MetricsLogger(self.out, cfg.metrics, cfg.training.steps, self.rank)
         self.metrics.truncate_after(self.step)
         self.stop_signal: int | None = None
-        n = self.spec.num_params(self.model)
+        n = self.handle.num_params()
         log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
                  "device %s, peak %.1f TFLOP/s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
                  cfg.training.mixed_precision, self.accum, self.device, self.peak_flops / 1e12)
@@ -115,15 +111,15 @@ class Trainer:
         """Allocate the meta model on the device, then load `weights` (an HF folder) or
         initialise (seeded); a run that resumes leaves that to the checkpoint."""
         self.model.to_empty(device=self.device)
-        self.spec.init_buffers(self.model)
+        self.handle.init_buffers()
         torch.manual_seed(self.cfg.job.seed)
         if resuming:
             return
         if weights is not None:
-            self.spec.load_hf(self.model, weights)
+            self.handle.load_hf(weights)
         else:
-            self.spec.init_weights(self.model, self.cfg.model.init_std)
-        self.spec.init_buffers(self.model)
+            self.handle.init_weights(self.cfg.model.init_std)
+        self.handle.init_buffers()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -207,16 +203,14 @@ class Trainer:
         self.step_stats: dict[str, float] = {}
         self.model.train()
         for b in batches:
-            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self.world.loss_parallel():  # vocab-sharded logits under tensor parallel
-                with self.autocast:
-                    out = self.spec.forward_train(self.model, b)
-                loss = distributed.local(output_loss_sum(out, b["labels"])) / n_valid
+                out, loss_sum = self._forward(b)
+                loss = loss_sum / n_valid
                 total += loss.detach()
                 if out.aux_loss is not None:  # reported separately, and only when the model asks for it
                     # The mean over every micro-batch of the global batch: data-parallel
                     # gradients are summed, so each rank's share is divided by their count too.
-                    aux = distributed.local(out.aux_loss) / (self.accum * self.world.dp_size)
+                    aux = distributed.full_tensor(out.aux_loss) / (self.accum * self.world.dp_size)
                     aux_total += aux.detach()
                     loss = loss + aux
                 loss.backward()
@@ -234,7 +228,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.finite.after_step(self.step + 1, self.model.parameters())  # read at log and save steps
-        self.spec.after_optimizer_step(self.model)
+        self.handle.after_optimizer_step(self.world.all_reduce_sum)
         return loss_value, grad_norm
 
     def _stop_if_nonfinite(self, before_save: bool) -> None:
@@ -263,14 +257,20 @@ class Trainer:
             "training.lr, raise training.warmup_steps or check the data; rerunning resumes from that "
             "checkpoint.")
 
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[TrainOutput, torch.Tensor]:
+        """The training forward of one micro-batch (call inside world.loss_parallel()): the model's
+        output and the summed fp32 cross-entropy over its valid labels."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with self.autocast:
+            out = self.handle.forward_train(batch)
+        loss_sum = out.loss_sum if out.loss_sum is not None else cross_entropy_sum(out.logits, batch["labels"])
+        return out, distributed.full_tensor(loss_sum)
+
     def evaluate(self) -> dict[str, float]:
         """Loss and perplexity on the held-out data (eval.path); see titanite/eval.py."""
         def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:
-            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self.world.loss_parallel():
-                with self.autocast:
-                    out = self.spec.forward_train(self.model, b)
-                return distributed.local(output_loss_sum(out, b["labels"]))
+                return self._forward(b)[1]
 
         assert self.evaluator is not None
         return self.evaluator.run(self.model, loss_sum, self.world.all_reduce_sum_dp, self.device)
@@ -293,8 +293,8 @@ class Trainer:
             self.export(self.out / "hf")
 
     def export(self, out: Path) -> None:
-        tensors = self.world.full_tensors(self.spec.hf_state_dict(self.model))
-        config = self.spec.hf_config(self.model)
+        tensors = self.handle.hf_state_dict(distributed.full_tensor)
+        config = self.handle.hf_config()
         if self.rank == 0:
             export_hf(tensors, config, out, self.cfg.checkpoint.export_shard_mb,
                       source_folders=[self.cfg.model.hf_path], tokenizer_files=self.tokenizer.files)

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from titanite.config import DEFAULT_SHARD_MB
 from titanite.errors import UserError, did_you_mean
 from titanite.files import inside_folder
 
@@ -222,7 +223,7 @@ class HFReader:
 
 
 def write_hf_folder(out: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
-                    max_shard_bytes: int = 5 * 10**9, extra_files: Iterable[Path] = (),
+                    max_shard_bytes: int = DEFAULT_SHARD_MB * 10**6, extra_files: Iterable[Path] = (),
                     generation_config: dict | None = None) -> Path:
     """Write a Hugging Face model folder atomically and return its path.
 

@@ -24,13 +24,14 @@ import numpy as np
 
 from titanite.config import DataConfig
 from titanite.data.chat_template import ChatTemplate, ChatTemplateError, find_chat_template
-from titanite.data.sources import _decode, _is_saved_dataset, _list_files
+from titanite.data.sources import (_decode, _is_saved_dataset, _list_files, dataset_column, json_lines,
+                                   load_saved_dataset, parquet_column)
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
+from titanite.kernels.reference_ops import IGNORE_INDEX  # the labels the loss skips
 
 log = logging.getLogger("titanite")
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 _CHAT_GLOBS = ("**/*.jsonl", "**/*.parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -179,49 +180,21 @@ def _rows(cfg: DataConfig, stats: ChatStats) -> Iterator[tuple[str, Any]]:
         if text is None:
             continue
         stats.files += 1
-        # split("\n"), not splitlines(): JSON strings may hold raw U+2028.
-        for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{f}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"{f}:{lineno}", MalformedRow(f"not valid JSON ({e.msg} at column {e.colno})")
+        for where, row in json_lines(f, text):
+            if isinstance(row, json.JSONDecodeError):
+                row = MalformedRow(f"not valid JSON ({row.msg} at column {row.colno})")
+            yield where, row
 
 
 def _parquet_rows(f: Path, field: str) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(f)
-    except (pa.ArrowException, OSError) as e:
-        raise UserError(f"{f}: cannot read as parquet: {e}") from e
-    if field not in pf.schema_arrow.names:
-        raise UserError(f"{f}: no column {field!r} (data.messages_field); columns: {pf.schema_arrow.names}")
-    row = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            yield f"{f} row {row}", {field: value}
-            row += 1
+    for where, value in parquet_column(f, field, "data.messages_field"):
+        yield where, {field: value}
 
 
 def _dataset_rows(path: Path, cfg: DataConfig) -> Iterator[tuple[str, Any]]:
-    import datasets
-
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        if cfg.split not in ds:
-            raise UserError(f"data.split = {cfg.split!r} is not in {path}; splits: {list(ds)}")
-        ds = ds[cfg.split]
-    if cfg.messages_field not in ds.column_names:
-        raise UserError(f"{path}: no column {cfg.messages_field!r} (data.messages_field); "
-                        f"columns: {ds.column_names}")
-    row = 0
-    for batch in ds.select_columns([cfg.messages_field]).iter(batch_size=1024):
-        for value in batch[cfg.messages_field]:
-            yield f"{path} row {row}", {cfg.messages_field: value}
-            row += 1
+    ds = load_saved_dataset(path, cfg.split)
+    for where, value in dataset_column(ds, str(path), cfg.messages_field, "data.messages_field"):
+        yield where, {cfg.messages_field: value}
 
 
 def _short(value: Any) -> str:

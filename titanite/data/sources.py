@@ -142,22 +142,30 @@ def _decode(f: Path, policy: str) -> str | None:
     return text.removeprefix("\ufeff")  # a BOM is an encoding mark, not text
 
 
-def _jsonl_rows(f: Path, text: str, field: str) -> Iterator[str | None]:
+def json_lines(f: Path, text: str) -> Iterator[tuple[str, Any]]:
+    """('file:line', the parsed value) per non-blank line, or ('file:line', JSONDecodeError)."""
     # split("\n"), not splitlines(): JSON strings may hold raw U+2028, which splitlines breaks on.
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield f"{f}:{lineno}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{f}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield f"{f}:{lineno}", e
+
+
+def _jsonl_rows(f: Path, text: str, field: str) -> Iterator[str | None]:
+    for where, row in json_lines(f, text):
+        if isinstance(row, json.JSONDecodeError):
+            raise UserError(f"{where}: not valid JSON ({row.msg} at column {row.colno})")
         if not isinstance(row, dict) or field not in row:
             keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise UserError(f"{f}:{lineno}: no field {field!r} (data.text_field); the line has {keys}")
-        yield _check_text(row[field], f"{f}:{lineno}", field)
+            raise UserError(f"{where}: no field {field!r} (data.text_field); the line has {keys}")
+        yield _check_text(row[field], where, field)
 
 
-def _parquet_rows(f: Path, field: str) -> Iterator[str | None]:
+def parquet_column(f: Path, field: str, key: str) -> Iterator[tuple[str, Any]]:
+    """('file row N', value) of column `field` (named by config key `key` in errors), in batches."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -167,12 +175,17 @@ def _parquet_rows(f: Path, field: str) -> Iterator[str | None]:
         raise UserError(f"{f}: cannot read as parquet: {e}") from e
     columns = pf.schema_arrow.names
     if field not in columns:
-        raise UserError(f"{f}: no column {field!r} (data.text_field); columns: {columns}")
+        raise UserError(f"{f}: no column {field!r} ({key}); columns: {columns}")
     row = 0
     for batch in pf.iter_batches(columns=[field], batch_size=_ROW_BATCH):
         for value in batch.column(0).to_pylist():
-            yield _check_text(value, f"{f} row {row}", field)
+            yield f"{f} row {row}", value
             row += 1
+
+
+def _parquet_rows(f: Path, field: str) -> Iterator[str | None]:
+    for where, value in parquet_column(f, field, "data.text_field"):
+        yield _check_text(value, where, field)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -180,15 +193,31 @@ def _is_saved_dataset(path: Path) -> bool:
         (path / "dataset_info.json").is_file() and (path / "state.json").is_file())
 
 
-def _saved_dataset_rows(path: Path, cfg: DataConfig) -> Iterator[str | None]:
+def load_saved_dataset(path: Path, split: str) -> Any:
+    """A `datasets` save_to_disk folder; for a DatasetDict, its `split` (data.split)."""
     import datasets
 
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        if cfg.split not in ds:
-            raise UserError(f"data.split = {cfg.split!r} is not in {path}; splits: {list(ds)}")
-        ds = ds[cfg.split]
-    yield from _dataset_rows(ds, str(path), cfg.text_field)
+        if split not in ds:
+            raise UserError(f"data.split = {split!r} is not in {path}; splits: {list(ds)}")
+        ds = ds[split]
+    return ds
+
+
+def dataset_column(ds: Any, where: str, field: str, key: str) -> Iterator[tuple[str, Any]]:
+    """('<where> row N', value) of column `field` of a datasets Dataset, in batches."""
+    if field not in ds.column_names:
+        raise UserError(f"{where}: no column {field!r} ({key}); columns: {ds.column_names}")
+    row = 0
+    for batch in ds.select_columns([field]).iter(batch_size=_ROW_BATCH):
+        for value in batch[field]:
+            yield f"{where} row {row}", value
+            row += 1
+
+
+def _saved_dataset_rows(path: Path, cfg: DataConfig) -> Iterator[str | None]:
+    yield from _dataset_rows(load_saved_dataset(path, cfg.split), str(path), cfg.text_field)
 
 
 def _hub_rows(cfg: DataConfig) -> Iterator[str | None]:
@@ -203,11 +232,8 @@ def _hub_rows(cfg: DataConfig) -> Iterator[str | None]:
 
 
 def _dataset_rows(ds: Any, where: str, field: str) -> Iterator[str | None]:
-    if field not in ds.column_names:
-        raise UserError(f"{where}: no column {field!r} (data.text_field); columns: {ds.column_names}")
-    for batch in ds.select_columns([field]).iter(batch_size=_ROW_BATCH):
-        for value in batch[field]:
-            yield _check_text(value, where, field)
+    for row_where, value in dataset_column(ds, where, field, "data.text_field"):
+        yield _check_text(value, row_where, field)
 
 
 def _check_text(value: Any, where: str, field: str) -> str | None:

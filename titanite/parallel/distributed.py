@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -55,6 +54,12 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over every rank."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest `value` over all ranks (a collective; the value itself on one rank)."""
         if self.size == 1:
@@ -71,11 +76,6 @@ class World:
 
             return loss_parallel()
         return contextlib.nullcontext()
-
-    def full_tensors(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Gather sharded (DTensor) tensors to full ones, one at a time, on every rank."""
-        for key, t in pairs:
-            yield key, full_tensor(t).detach()
 
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
@@ -101,7 +101,8 @@ def gather_texts(text: str) -> list[str]:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered to the full tensor (a collective: every rank of its mesh calls it);
-    other tensors as they are."""
+    other tensors as they are. Differentiable, so a loss-parallel loss can be backpropagated
+    through it."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -113,12 +114,6 @@ def local_numel(model: torch.nn.Module) -> int:
             p = p.to_local()
         total += p.untyped_storage().nbytes() // p.element_size() if p.numel() else 0
     return total
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A (small) DTensor such as a loss-parallel loss, reduced to the plain full tensor on every
-    rank; other tensors unchanged. Differentiable, so the loss can be backpropagated through it."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def init(device: torch.device, pcfg: ParallelismConfig) -> World:

@@ -8,24 +8,23 @@ parameter in one group.
 
 from __future__ import annotations
 
-from torch import nn
-
 from titanite.config import Config
+from titanite.models.handle import ModelHandle
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import shard_model, uses_fsdp
 from titanite.parallel.tensor_parallel import apply_tensor_parallel_qwen3
 
 
-def parallelize_qwen3(model: nn.Module, world: World, cfg: Config) -> nn.Module:
-    """Apply `cfg.parallelism` to a materialised native Qwen3, in place; returns it."""
-    p = cfg.parallelism
+def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
+    """Apply `cfg.parallelism` to a materialised native Qwen3 (a Qwen3Model's module), in place."""
+    p, model = cfg.parallelism, handle.module
     dims = world.dims
     if dims is not None and dims.tp > 1:
         apply_tensor_parallel_qwen3(model, world.meshes["tp"])
         # The fused head + loss op takes a whole [V, H] head; with a vocabulary-sharded head the
         # model returns sharded logits and the trainer's cross-entropy runs under loss_parallel.
-        model.loss_from_logits = True
+        handle.vocab_parallel = True
     expert_params: list = []
     if dims is not None and dims.ep > 1:
         from titanite.parallel.expert_parallel import apply_expert_parallel_qwen3
@@ -42,4 +41,3 @@ def parallelize_qwen3(model: nn.Module, world: World, cfg: Config) -> nn.Module:
             groups = [model.tok_embeddings, *blocks, [model.norm, model.output]]
         # Tied: the shared matrix, the embedding and the head stay in the root group.
         shard_model(model, groups, world, cfg.training.mixed_precision, expert_params)
-    return model

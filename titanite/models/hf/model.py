@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import ModelOutput
 
+from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
 
 
@@ -35,7 +36,7 @@ class HFCausalLM(nn.Module):
         output_router_logits (MoE only) the output also carries each sparse layer's
         `router_logits` [T, E] and transformers' unscaled load-balancing `aux_loss`."""
         kw = {"output_router_logits": True} if output_router_logits else {}
-        mask = None if document_ids is None else document_causal_mask(document_ids)
+        mask = None if document_ids is None else kernels.block_causal_mask(document_ids)
         return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                        use_cache=False, **kw)
 
@@ -100,12 +101,3 @@ class HFCausalLM(nn.Module):
                     at = next((j for j, (n, _, _) in enumerate(order) if n.startswith(experts)), at)
                 order.insert(at, (name, module, p))
         return order
-
-
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] document ids -> bool mask [B, 1, S, S], True where query i may attend key j:
-    j <= i and both tokens in the same document."""
-    S = document_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, S, S]
-    return (same & causal)[:, None]

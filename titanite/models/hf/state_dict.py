@@ -13,9 +13,12 @@ import re
 
 import torch
 
+from titanite.models.experts_layout import DOWN, GATE_UP, fuse_experts, split_experts
+
 PREFIX = "hf."
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _FUSED = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+_KINDS = {"gate_up_proj": GATE_UP, "down_proj": DOWN}
 
 
 class HFStateDictAdapter:
@@ -33,13 +36,7 @@ class HFStateDictAdapter:
         if m is None:
             return [(key, tensor)]
         experts, kind = m.groups()
-        if kind == "down_proj":  # [E, H, I] -> E x [H, I]
-            return [(f"{experts}.{e}.down_proj.weight", t) for e, t in enumerate(tensor)]
-        inter = tensor.shape[1] // 2  # [E, 2I, H] -> E x (gate [I, H], up [I, H])
-        out = []
-        for e, t in enumerate(tensor):
-            out += [(f"{experts}.{e}.gate_proj.weight", t[:inter]), (f"{experts}.{e}.up_proj.weight", t[inter:])]
-        return out
+        return split_experts(experts, _KINDS[kind], tensor)
 
     def from_hf(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of `to_hf`: the on-disk tensors, in `to_hf`'s order -> the in-memory tensor."""
@@ -47,10 +44,7 @@ class HFStateDictAdapter:
         if m is None:
             (t,) = tensors
             return t
-        if m.group(2) == "down_proj":
-            return torch.stack(tensors)
-        pairs = zip(tensors[0::2], tensors[1::2], strict=True)
-        return torch.stack([torch.cat((gate, up)) for gate, up in pairs])
+        return fuse_experts(_KINDS[m.group(2)], tensors)
 
     def ignorable_hf_keys(self) -> set[str]:
         """A tied checkpoint may still carry a copy of the head; the embedding is the weight."""

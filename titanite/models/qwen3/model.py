@@ -12,6 +12,7 @@ from torch import nn
 
 from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.qwen3.kv_cache import KVCache, LayerCache
 from titanite.models.qwen3.moe import GroupedExperts, MoE, TopKRouter
 
 
@@ -64,13 +65,17 @@ class Attention(nn.Module):
         self.attend = kernels.op("attention")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, kv_cache: LayerCache | None = None) -> torch.Tensor:
+        """x: [B, S, H] -> [B, S, H]. With kv_cache (decoding) the S new positions extend the
+        cached keys and values and attend over all of them."""
         B, S, _ = x.shape
         # Heads from the weights' sizes, so a tensor-parallel shard sees its local head count.
         q = self.q_norm(self.wq(x).view(B, S, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, S, D]
         k = self.k_norm(self.wk(x).view(B, S, -1, self.head_dim)).transpose(1, 2)  # [B, Hk, S, D]
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, Hk, S, D]
         q, k = self.rope(q, k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)  # [B, Hk, cached + S, D]
         if document_ids is None:  # one causal sequence per row
             out = self.attend(q, k, v, self.head_dim ** -0.5)  # [B, Hq, S, D]
         else:  # packed samples: block-causal
@@ -119,8 +124,8 @@ class TransformerBlock(nn.Module):
                              if a.layer_is_moe(layer_id) else FeedForward(a.hidden_size, a.intermediate_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
+                document_ids: torch.Tensor | None = None, kv_cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -143,17 +148,19 @@ class Qwen3(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """input_ids: [B, S] int64 -> final normed hidden states [B, S, H].
 
         document_ids: optional int64 [B, S] marking packed samples; attention stays inside each
-        (position_ids should then restart at 0 for each sample)."""
+        (position_ids should then restart at 0 for each sample). kv_cache: decoding; the
+        tokens continue the cached sequence (position_ids must say where; the caller advances
+        the cache afterwards)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rotary(position_ids, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, document_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, document_ids, None if kv_cache is None else kv_cache.layer(i))
         return self.norm(h)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -189,9 +196,3 @@ class Qwen3(nn.Module):
         for module in self.modules():
             if isinstance(module, TopKRouter):
                 module.reset_buffers()
-
-
-def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Allocate a meta-device model on `device` (uninitialised) and recompute its buffers."""
-    model.to_empty(device=device)
-    model.init_buffers()

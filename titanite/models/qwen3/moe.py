@@ -25,13 +25,13 @@ N = T * k routed rows.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from titanite import kernels
 from titanite.errors import UserError
+from titanite.models.moe_stats import RoutingRecord, expert_counts
 
 
 class TopKRouter(nn.Module):
@@ -109,27 +109,9 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down, mean=0.0, std=std)
 
 
-@dataclass
-class RoutingRecord:
-    """What one MoE layer's last forward leaves for the auxiliary loss and the load telemetry."""
-
-    counts: torch.Tensor  # [E] int64 rows routed to each expert (no grad)
-    prob_sum: torch.Tensor  # [E] fp32 router probability summed over tokens (carries grad)
-    num_tokens: int
-
-
-def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """topk_ids: [T, k] int64 -> rows per expert, int64 [E]. Sort + searchsorted: deterministic,
-    no atomics and no host sync on any device."""
-    sorted_ids = torch.sort(topk_ids.flatten()).values
-    bounds = torch.arange(1, num_experts + 1, device=topk_ids.device, dtype=sorted_ids.dtype)
-    ends = torch.searchsorted(sorted_ids, bounds)
-    return torch.diff(ends, prepend=ends.new_zeros(1))
-
-
 class MoE(nn.Module):
     """Qwen3 sparse MoE block (no shared expert). After each forward `last_routing` holds this
-    layer's RoutingRecord, which the spec turns into the auxiliary loss and telemetry."""
+    layer's RoutingRecord, which the model handle turns into the auxiliary loss and telemetry."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool) -> None:
@@ -151,18 +133,7 @@ class MoE(nn.Module):
         return out.to(x.dtype).view(x.shape)
 
 
-# -- what the spec reads after a training forward ---------------------------------------------
-
-def load_balancing_loss(records: list[RoutingRecord], num_experts: int) -> torch.Tensor:
-    """Switch-style auxiliary loss pooled over all MoE layers, as transformers pools it:
-    E * sum_e f_e * P_e with f_e = rows routed to e / (tokens x layers) and P_e = summed router
-    probability of e / (tokens x layers). Equals k at perfect balance. fp32 scalar; the gradient
-    flows through the probabilities only."""
-    rows = sum(r.num_tokens for r in records)
-    f = torch.stack([r.counts for r in records]).sum(0).float() / rows
-    p = torch.stack([r.prob_sum for r in records]).sum(0) / rows
-    return num_experts * (f * p).sum()
-
+# -- finding the MoE layers of a built model ---------------------------------------------
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -177,23 +148,3 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
             assert m, f"MoE module {name} is not inside layers.N"
             found.append((int(m.group(1)), module))
     return found
-
-
-def routing_stats(layers: list[tuple[int, RoutingRecord]], balance_loss: torch.Tensor) -> dict[str, float]:
-    """Expert-load telemetry for metrics.jsonl, with one host sync for all layers.
-
-    Per layer i: `moe/layer{i}/max_over_mean`, the busiest expert's rows over the mean rows per
-    expert (1 is perfect balance; E/k means all tokens went to the same k experts), and
-    `moe/layer{i}/idle_experts`, experts that got no token. Aggregates: `moe/max_over_mean` (the
-    worst layer), `moe/idle_experts` (summed over layers) and `moe/load_balance_loss`, the
-    unscaled auxiliary loss (k at perfect balance), logged whether or not it is trained on.
-    """
-    counts = torch.stack([r.counts for _, r in layers]).float()  # [L, E]
-    per_layer = torch.stack([counts.amax(1) / counts.mean(1), (counts == 0).sum(1).float()], dim=1)
-    values = torch.cat([per_layer.flatten(), balance_loss.detach().float().reshape(1)]).tolist()
-    stats = {"moe/max_over_mean": max(values[0:-1:2]), "moe/idle_experts": sum(values[1:-1:2]),
-             "moe/load_balance_loss": values[-1]}
-    for n, (i, _) in enumerate(layers):
-        stats[f"moe/layer{i}/max_over_mean"] = values[2 * n]
-        stats[f"moe/layer{i}/idle_experts"] = values[2 * n + 1]
-    return stats

@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from titanite.models.experts_layout import DOWN, GATE_UP, fuse_experts, split_experts
 from titanite.models.qwen3.args import Qwen3Args
 
 # native suffix inside a block -> HF suffix inside `model.layers.{i}.`
@@ -33,8 +34,7 @@ _BLOCK = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",
 }
-_EXPERTS_GATE_UP = "feed_forward.experts.w_gate_up"
-_EXPERTS_DOWN = "feed_forward.experts.w_down"
+_EXPERTS = {"feed_forward.experts.w_gate_up": GATE_UP, "feed_forward.experts.w_down": DOWN}
 _EXPERT_BIAS = "feed_forward.router.expert_bias"
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -59,13 +59,8 @@ class Qwen3StateDictAdapter:
         if suffix in _BLOCK:
             return [(f"model.layers.{layer}.{_BLOCK[suffix]}", tensor)]
         experts = f"model.layers.{layer}.mlp.experts"
-        if suffix == _EXPERTS_GATE_UP:  # [E, 2I, H] -> per expert gate [I, H], up [I, H]
-            gates, ups = tensor.chunk(2, dim=1)
-            return [pair for e in range(tensor.shape[0])
-                    for pair in ((f"{experts}.{e}.gate_proj.weight", gates[e]),
-                                 (f"{experts}.{e}.up_proj.weight", ups[e]))]
-        if suffix == _EXPERTS_DOWN:  # [E, H, I] -> per expert [H, I]
-            return [(f"{experts}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+        if suffix in _EXPERTS:
+            return split_experts(experts, _EXPERTS[suffix], tensor)
         if suffix == _EXPERT_BIAS:
             return []
         raise KeyError(f"no Hugging Face name for native parameter '{name}'")
@@ -73,10 +68,8 @@ class Qwen3StateDictAdapter:
     def from_hf(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of `to_hf`: the HF tensors, in `to_hf`'s order, -> the native tensor."""
         suffix = name.split(".", 2)[-1]
-        if suffix == _EXPERTS_GATE_UP:  # gate_0, up_0, gate_1, up_1, ...
-            return torch.stack([torch.cat(tensors[i:i + 2]) for i in range(0, len(tensors), 2)])
-        if suffix == _EXPERTS_DOWN:
-            return torch.stack(tensors)
+        if suffix in _EXPERTS:
+            return fuse_experts(_EXPERTS[suffix], tensors)
         if suffix == _EXPERT_BIAS:  # not in the HF layout: a zero that broadcasts over [E]
             assert not tensors
             return torch.zeros(())

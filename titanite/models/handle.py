@@ -1,0 +1,175 @@
+"""The model handle: one built model and everything titanite knows about it.
+
+A backend's `build(ModelConfig)` returns a `ModelHandle` subclass holding the `nn.Module`, the
+architecture (`Qwen3Args`), the source `config.json` and the options that act after the build.
+Everything a caller asks about a model goes through the handle: its Hugging Face config, names
+and tensors, FLOPs per token, how the estimate should count its activations, what it supports
+(generation, document masks, expert parallelism) and how its loss is computed. Nothing is
+stored on the `nn.Module`; `handle_of(module)` finds the handle of a module a backend built.
+
+The model layer is single-device code: handles never import `titanite.parallel` or
+`torch.distributed`. Where a step needs a collective (gathering a sharded tensor for an export,
+summing expert counts over ranks), the caller passes it in as a function.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
+from titanite.config import KernelsConfig
+from titanite.models.flops import flops_per_token
+from titanite.models.qwen3.args import Qwen3Args
+
+Gather = Callable[[torch.Tensor], torch.Tensor]  # a sharded tensor -> the full tensor (a collective)
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sum over every rank, in place
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass
+class TrainOutput:
+    """What one training forward returns to the trainer."""
+
+    logits: torch.Tensor | None  # [B, S, V]; None when loss_sum is given
+    aux_loss: torch.Tensor | None = None  # already scaled by its coefficient; added to the loss
+    stats: dict[str, float] = field(default_factory=dict)  # telemetry (e.g. expert load), logged
+    # fp32 cross-entropy summed over the batch's valid labels, when the model computes it itself
+    # (the `loss` kernel op, without materialising the logits); the trainer then skips its own.
+    loss_sum: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """How `titanite estimate` counts what a training forward keeps for backward."""
+
+    sequence_parallel: bool  # under tensor parallelism the residual stream is sharded over the sequence
+    keeps_logits: bool  # the [tokens, V] logits (and their log-softmax) live until backward
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """[model] settings that act after the build."""
+
+    moe_bias_update_rate: float = 0.0
+
+
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, ModelHandle] = weakref.WeakKeyDictionary()
+
+
+def handle_of(module: nn.Module) -> ModelHandle:
+    """The handle of a module that a titanite backend built (by `titanite.load_pretrained`, a
+    trainer, or `ModelSpec.build`)."""
+    handle = _HANDLES.get(module)
+    if handle is None:
+        raise TypeError(f"{type(module).__name__} was not built by titanite (titanite.load_pretrained or a "
+                        "model spec's build); cannot tell its backend and Hugging Face layout")
+    return handle
+
+
+class ModelHandle(ABC):
+    """One built model. Subclasses are the backends; see the module docstring."""
+
+    backend: ClassVar[str]  # the `model.spec` name
+    supports_document_masks: ClassVar[bool] = False  # forward_train honours batch["document_ids"]
+    supports_generation: ClassVar[bool] = False  # native KV-cache decoding (titanite generate)
+    supports_expert_parallel: ClassVar[bool] = False
+
+    def __init__(self, module: nn.Module, args: Qwen3Args, source_config: dict[str, Any] | None,
+                 source_folder: str = "", options: ModelOptions = ModelOptions()) -> None:
+        self.module = module
+        self.args = args
+        self.source_config = source_config  # the checkpoint's config.json, None for a flavor
+        self.source_folder = source_folder  # where the weights came from (generation/tokenizer files)
+        self.options = options
+        # Set by the tensor-parallel plan: the head is sharded over the vocabulary, so the loss
+        # comes from sharded logits (loss_parallel), not from the fused loss op.
+        self.vocab_parallel = False
+        _HANDLES[module] = self
+
+    # -- what the model is -----------------------------------------------------------------
+
+    @abstractmethod
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json dict an HF export of this model carries."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, attention included."""
+        return flops_per_token(self.args, seq_len)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    @abstractmethod
+    def activation_profile(self, kernels_cfg: KernelsConfig, tp: int) -> ActivationProfile:
+        """How the estimate counts this model's activations under `tp` with these kernels."""
+
+    @property
+    def loss_from_logits(self) -> bool:
+        """True when the trainer computes the cross-entropy from the logits forward_train
+        returns; False when the model's `loss` op returns the summed loss itself."""
+        return True
+
+    # -- weights ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def state_dict_adapter(self) -> StateDictAdapter:
+        """The mapping between this model's state-dict keys and the Hugging Face on-disk keys."""
+
+    def check_hf(self, folder: str) -> None:
+        """Every check load_hf makes before reading data (names, shapes, dtypes); works on the
+        meta-device model."""
+        check_hf_weights(self.module, self.state_dict_adapter(), folder)
+
+    def load_hf(self, folder: str) -> None:
+        """Copy the weights of a local HF folder into the materialised model."""
+        load_with_adapter(self.module, self.state_dict_adapter(), folder)
+        self.init_buffers()
+
+    def hf_state_dict(self, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, full tensor) pairs in the on-disk Hub layout, one at a time. `gather` turns a
+        sharded tensor into the full one before the adapter splits it (stacked experts cut across
+        ranks otherwise); every rank walks the same keys, so its collectives line up."""
+        adapter, gather = self.state_dict_adapter(), gather or _identity
+        for name, tensor in self.module.state_dict().items():
+            if not self.is_alias(name):
+                yield from adapter.to_hf(name, gather(tensor))
+
+    def is_alias(self, name: str) -> bool:
+        """True for a state-dict key that is another key's tensor under a second name (a tied
+        head), which an export writes once."""
+        return False
+
+    @abstractmethod
+    def init_weights(self, std: float) -> None:
+        """Random init of the materialised model (the caller seeds the RNG)."""
+
+    @abstractmethod
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (e.g. RoPE inv_freq) after materialising/loading."""
+
+    # -- training --------------------------------------------------------------------------
+
+    def attach_kernels(self, kernels_cfg: KernelsConfig, device_type: str, dtype: torch.dtype) -> dict[str, str]:
+        """Bind the model's kernel call sites from the `[kernels]` table; returns {call site:
+        "op:implementation"}. Backends whose modules hold no call sites of their own add them first."""
+        from titanite.kernels import attach
+
+        return attach(self.module, kernels_cfg.select, device_type, dtype, kernels_cfg.fallback)
+
+    @abstractmethod
+    def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
+        """One training forward on a device batch (`input_ids`, `position_ids`, `labels`, and
+        `document_ids` for packed samples)."""
+
+    def after_optimizer_step(self, all_reduce: AllReduce) -> None:
+        """Run after every optimizer step (e.g. MoE load-balancing bias updates)."""

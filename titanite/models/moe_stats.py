@@ -1,0 +1,73 @@
+"""MoE routing telemetry and the auxiliary load-balancing loss, shared by both backends.
+
+Each MoE layer's forward leaves a `RoutingRecord`; the backend turns the records into the
+auxiliary loss (transformers' `load_balancing_loss_func` math) and the expert-load stats logged
+to metrics.jsonl. The native model records its router's choice directly; the transformers
+backend recomputes it from the router logits with the router op's own selection rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titanite.kernels.reference_ops import select_experts
+
+
+@dataclass
+class RoutingRecord:
+    """What one MoE layer's last forward leaves for the auxiliary loss and the load telemetry."""
+
+    counts: torch.Tensor  # [E] int64 rows routed to each expert (no grad)
+    prob_sum: torch.Tensor  # [E] fp32 router probability summed over tokens (carries grad)
+    num_tokens: int
+
+
+def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """topk_ids: [T, k] int64 -> rows per expert, int64 [E]. Sort + searchsorted: deterministic,
+    no atomics and no host sync on any device."""
+    sorted_ids = torch.sort(topk_ids.flatten()).values
+    bounds = torch.arange(1, num_experts + 1, device=topk_ids.device, dtype=sorted_ids.dtype)
+    ends = torch.searchsorted(sorted_ids, bounds)
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+@torch.no_grad()
+def record_from_logits(router_logits: torch.Tensor, top_k: int) -> RoutingRecord:
+    """One layer's routing from its router logits [T, E], chosen as the `moe.router` op chooses
+    (softmax in fp32, top-k; renormalising does not change the choice). For telemetry: no grad."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    _, topk_ids = select_experts(probs, top_k, norm_topk_prob=False)
+    return RoutingRecord(expert_counts(topk_ids, probs.shape[-1]), probs.sum(0), probs.shape[0])
+
+
+def load_balancing_loss(records: list[RoutingRecord], num_experts: int) -> torch.Tensor:
+    """Switch-style auxiliary loss pooled over all MoE layers, as transformers pools it:
+    E * sum_e f_e * P_e with f_e = rows routed to e / (tokens x layers) and P_e = summed router
+    probability of e / (tokens x layers). Equals k at perfect balance. fp32 scalar; the gradient
+    flows through the probabilities only."""
+    rows = sum(r.num_tokens for r in records)
+    f = torch.stack([r.counts for r in records]).sum(0).float() / rows
+    p = torch.stack([r.prob_sum for r in records]).sum(0) / rows
+    return num_experts * (f * p).sum()
+
+
+def routing_stats(layers: list[tuple[int, RoutingRecord]], balance_loss: torch.Tensor) -> dict[str, float]:
+    """Expert-load telemetry for metrics.jsonl, with one host sync for all layers.
+
+    Per layer i: `moe/layer{i}/max_over_mean`, the busiest expert's rows over the mean rows per
+    expert (1 is perfect balance; E/k means all tokens went to the same k experts), and
+    `moe/layer{i}/idle_experts`, experts that got no token. Aggregates: `moe/max_over_mean` (the
+    worst layer), `moe/idle_experts` (summed over layers) and `moe/load_balance_loss`, the
+    unscaled auxiliary loss (k at perfect balance), logged whether or not it is trained on.
+    """
+    counts = torch.stack([r.counts for _, r in layers]).float()  # [L, E]
+    per_layer = torch.stack([counts.amax(1) / counts.mean(1), (counts == 0).sum(1).float()], dim=1)
+    values = torch.cat([per_layer.flatten(), balance_loss.detach().float().reshape(1)]).tolist()
+    stats = {"moe/max_over_mean": max(values[0:-1:2]), "moe/idle_experts": sum(values[1:-1:2]),
+             "moe/load_balance_loss": values[-1]}
+    for n, (i, _) in enumerate(layers):
+        stats[f"moe/layer{i}/max_over_mean"] = values[2 * n]
+        stats[f"moe/layer{i}/idle_experts"] = values[2 * n + 1]
+    return stats

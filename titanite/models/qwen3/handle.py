@@ -1,0 +1,123 @@
+"""The native backend (`model.spec = "qwen3"`): titanite's own Qwen3 and Qwen3-MoE in a handle.
+
+The architecture comes from `model.hf_path`'s config.json when set, else from a named flavor.
+Checkpoints go in and out in the Hub's layout through `Qwen3StateDictAdapter`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from titanite.checkpoint.safetensors_io import read_hf_config
+from titanite.config import KernelsConfig, ModelConfig
+from titanite.errors import UserError
+from titanite.models.handle import ActivationProfile, AllReduce, Gather, ModelHandle, ModelOptions, TrainOutput
+from titanite.models.moe_stats import load_balancing_loss, routing_stats
+from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config
+from titanite.models.qwen3.flavors import get_flavor
+from titanite.models.qwen3.model import Qwen3
+from titanite.models.qwen3.moe import moe_layers
+from titanite.models.qwen3.state_dict import Qwen3StateDictAdapter
+
+log = logging.getLogger("titanite")
+
+
+def resolve_args(cfg: ModelConfig) -> tuple[Qwen3Args, dict[str, Any] | None]:
+    """(architecture, the config.json it came from or None): config.json decides when hf_path is
+    set; otherwise the flavor does."""
+    if cfg.hf_path:
+        source = read_hf_config(cfg.hf_path)
+        return from_hf_config(source, where=f"{cfg.hf_path}/config.json"), source
+    return get_flavor(cfg.flavor), None
+
+
+def build(cfg: ModelConfig) -> Qwen3Model:
+    """The native model on the meta device."""
+    args, source = resolve_args(cfg)
+    if cfg.moe_bias_update_rate and not args.is_moe:
+        raise UserError(f"config key 'model.moe_bias_update_rate' is {cfg.moe_bias_update_rate} but the model "
+                        f"is dense (no num_experts): there is no routing to balance; set it to 0")
+    with torch.device("meta"):
+        module = Qwen3(args)
+    return Qwen3Model(module, args, source, cfg.hf_path, ModelOptions(cfg.moe_bias_update_rate))
+
+
+class Qwen3Model(ModelHandle):
+    backend = "qwen3"
+    supports_document_masks = True
+    supports_generation = True
+    supports_expert_parallel = True
+    module: Qwen3
+
+    def hf_config(self) -> dict[str, Any]:
+        # Start from the checkpoint's own config.json so fields titanite does not model survive.
+        base = dict(self.source_config or {})
+        base.update(to_hf_config(self.args))
+        return base
+
+    def activation_profile(self, kernels_cfg: KernelsConfig, tp: int) -> ActivationProfile:
+        # The chunked loss op never holds the logits; a vocabulary-sharded head (tp) returns them.
+        chunked = tp == 1 and kernels_cfg.select.get("loss", "chunked") == "chunked"
+        return ActivationProfile(sequence_parallel=True, keeps_logits=not chunked)
+
+    @property
+    def loss_from_logits(self) -> bool:
+        # The loss op needs the whole head matrix; a vocabulary-sharded head gives sharded logits,
+        # whose cross-entropy the trainer computes across the shards.
+        return self.vocab_parallel
+
+    def state_dict_adapter(self) -> Qwen3StateDictAdapter:
+        return Qwen3StateDictAdapter(self.args)
+
+    def hf_state_dict(self, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if any(bool(m.router.expert_bias.any()) for _, m in moe_layers(self.module)):
+            log.warning("the MoE routing bias (model.moe_bias_update_rate) is not part of the Hugging Face "
+                        "layout and is left out of the export: transformers will route without it")
+        yield from super().hf_state_dict(gather)
+
+    def init_weights(self, std: float) -> None:
+        self.module.init_weights(std)
+
+    def init_buffers(self) -> None:
+        self.module.init_buffers()
+
+    def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
+        """MoE models add: the auxiliary load-balancing loss x router_aux_loss_coef, only when
+        config.json's output_router_logits is on (as transformers does), and expert-load stats
+        (see moe_stats.routing_stats). Routed-token counts accumulate for the balancing bias.
+
+        The cross-entropy comes from the model's `loss` op (no [B, S, V] logits), except when
+        loss_from_logits (a vocabulary-sharded head)."""
+        fused = not self.loss_from_logits
+        out = self.module(batch["input_ids"], position_ids=batch["position_ids"],
+                          document_ids=batch.get("document_ids"), labels=batch["labels"] if fused else None)
+        logits, loss_sum = (None, out) if fused else (out, None)
+        layers = moe_layers(self.module)
+        if not layers:
+            return TrainOutput(logits, loss_sum=loss_sum)
+        a = self.args
+        records = [(i, m.last_routing) for i, m in layers]
+        balance = load_balancing_loss([r for _, r in records], a.num_experts)
+        if self.options.moe_bias_update_rate:
+            with torch.no_grad():
+                for (_, m), (_, r) in zip(layers, records):
+                    m.router.tokens_per_expert += r.counts
+        aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
+        return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum)
+
+    @torch.no_grad()
+    def after_optimizer_step(self, all_reduce: AllReduce) -> None:
+        """Auxiliary-loss-free balancing: update every router's bias from the tokens it routed
+        during the step, summed over all ranks (every rank then applies the same update)."""
+        rate = self.options.moe_bias_update_rate
+        routers = [m.router for _, m in moe_layers(self.module)]
+        if not rate or not routers:
+            return
+        counts = all_reduce(torch.stack([r.tokens_per_expert for r in routers]))  # [L, E]
+        for router, c in zip(routers, counts):
+            router.update_bias(c, rate)
+            router.tokens_per_expert.zero_()

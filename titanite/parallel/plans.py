@@ -1,0 +1,38 @@
+"""Which parallel plan a built model gets.
+
+The model layer is single-device code; its parallelism is applied from here. Each backend's
+plan is a function `(handle, world, cfg) -> None` that shards the handle's module in place (and
+sets `handle.vocab_parallel` when it shards the head over the vocabulary). The built-in plans
+are imported on first use, so a native run never imports the transformers plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from titanite.config import Config
+from titanite.errors import UserError
+from titanite.models.handle import ModelHandle
+from titanite.parallel.distributed import World
+
+Plan = Callable[[ModelHandle, World, Config], None]
+_BUILTIN = {"qwen3": "titanite.parallel.qwen3:parallelize_qwen3", "hf": "titanite.parallel.hf:parallelize_hf"}
+_PLANS: dict[str, Plan] = {}
+
+
+def register_plan(backend: str, plan: Plan) -> None:
+    """The plan for a backend registered outside titanite (see models/spec.register_spec)."""
+    assert backend not in _PLANS and backend not in _BUILTIN, f"a plan for {backend} is registered twice"
+    _PLANS[backend] = plan
+
+
+def parallelize(handle: ModelHandle, world: World, cfg: Config) -> None:
+    """Apply `cfg.parallelism` to the handle's materialised module, in place."""
+    backend = handle.backend
+    if backend not in _PLANS and backend in _BUILTIN:
+        module, name = _BUILTIN[backend].split(":")
+        _PLANS[backend] = getattr(importlib.import_module(module), name)
+    if backend not in _PLANS:
+        raise UserError(f"model.spec = '{backend}' has no parallel plan (titanite.parallel.plans.register_plan)")
+    _PLANS[backend](handle, world, cfg)
