@@ -13,6 +13,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VOCAB = 384
+# The tiny MoE every test starts from (add keys to vary it): 4 experts, top-2, renormalised.
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 # Keep the 2-core CI machine responsive and results reproducible.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -116,3 +118,82 @@ def stop_after(trainer, steps: int) -> list[float]:
     trainer._save()
     trainer.close()
     return head
+
+
+# -- kernels registered by a test --------------------------------------------------------------
+
+
+@pytest.fixture
+def scratch_impls():
+    """(op, name) of implementations a test registers; removed after it."""
+    from titanite.kernels import registry
+
+    added: list[tuple[str, str]] = []
+    yield added
+    for op, name in added:
+        registry.unregister(op, name)
+
+
+def counting(op: str, name: str, scratch: list, calls: list) -> None:
+    """Register `name` for `op`: the reference, appending `name` to `calls` on each call."""
+    from titanite import kernels
+    from titanite.kernels import registry
+
+    ref = kernels.reference(op)
+
+    def impl(*args, **kw):
+        calls.append(name)
+        return ref(*args, **kw)
+
+    impl.__signature__ = registry.signature(op)
+    kernels.register(op, name)(impl)
+    scratch.append((op, name))
+
+
+# -- transformers as the oracle ---------------------------------------------------------------
+
+
+def transformers_model(folder: Path):
+    """transformers' own model of a folder: SDPA attention and eager experts (the per-expert loop,
+    the most direct statement of the math)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
+                                                             experts_implementation="eager").eval()
+
+
+def transformers_grads_on_disk(model) -> dict[str, torch.Tensor]:
+    """transformers' gradients under the on-disk (per-expert) keys, split here independently of
+    titanite's adapters. In memory transformers 5.x fuses the experts: gate_up_proj [E, 2I, H]
+    (gate rows first), down_proj [E, H, I]."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = p.grad.chunk(2, dim=1)
+            for e in range(p.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(p.shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = p.grad[e]
+        else:
+            out[name] = p.grad
+    return out
+
+
+def titanite_grads_on_disk(model) -> dict[str, torch.Tensor]:
+    """A titanite model's gradients under the on-disk keys, through its backend's adapter."""
+    from titanite.models.handle import handle_of
+
+    adapter = handle_of(model).state_dict_adapter()
+    return {k: g for n, p in model.named_parameters() for k, g in adapter.to_hf(n, p.grad)}
+
+
+def assert_grads_match(ours, theirs, tol: float = 1e-5) -> None:
+    """Every gradient within `tol` of transformers', relative to the tensor's own scale when that
+    exceeds 1 (fp32 rounding of an O(100) embedding gradient alone is ~1e-5 absolute)."""
+    mine, ref = titanite_grads_on_disk(ours), transformers_grads_on_disk(theirs)
+    assert set(mine) == set(ref)
+    errors = {k: (mine[k] - ref[k]).abs().max().item() / max(1.0, ref[k].abs().max().item()) for k in mine}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= tol, (worst, errors[worst])

@@ -18,7 +18,7 @@ from titanite.data.chat import IGNORE_INDEX, ChatStats, chat_samples
 from titanite.data.loader import PackedLoader
 from titanite.errors import UserError
 from titanite.kernels import reference
-from titanite.models.spec import get_spec
+from titanite.models.qwen3.handle import Qwen3Model
 from titanite.trainer import Trainer
 
 SEQ = 128
@@ -169,7 +169,7 @@ def test_training_step_loss_is_normalised_over_the_whole_step(tmp_path, chat_hf,
 
 
 def test_document_packing_needs_a_backend_with_document_masks(tmp_path, chat_hf, chat_data, monkeypatch):
-    monkeypatch.setattr(get_spec("qwen3"), "supports_document_masks", False)
+    monkeypatch.setattr(Qwen3Model, "supports_document_masks", False)
     args = tiny_train_args(chat_hf, chat_data, tmp_path / "run", steps=1, **{"data.format": "chat"})
     with pytest.raises(UserError, match="data.packing = 'documents'.*model.spec = 'qwen3'.*'pad'"):
         Trainer(load_config(None, args))

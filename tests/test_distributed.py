@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, corpus_texts, make_hf_checkpoint, read_metrics, tiny_train_args
+from tests.conftest import REPO, TINY_MOE, corpus_texts, make_hf_checkpoint, read_metrics, tiny_train_args
 from titanite.config import load_config
 from titanite.trainer import Trainer
 
@@ -52,8 +52,7 @@ def tied(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     # The auxiliary loss is on, so its data-parallel scaling is checked too.
-    return make_hf_checkpoint(tmp_path_factory.mktemp("moe"), tiny_tokenizer_dir, seed=2, num_experts=4,
-                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+    return make_hf_checkpoint(tmp_path_factory.mktemp("moe"), tiny_tokenizer_dir, seed=2, **TINY_MOE,
                               output_router_logits=True, router_aux_loss_coef=0.01)
 
 

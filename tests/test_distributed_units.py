@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import TINY_MOE
 from titanite import kernels
 from titanite.config import ParallelismConfig, load_config
 from titanite.errors import UserError
@@ -19,7 +20,7 @@ from titanite.parallel.mesh import ParallelDims
 
 DENSE = Qwen3Args(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16)
-MOE = DENSE.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+MOE = DENSE.replace(**TINY_MOE)
 
 
 # -- layout validation ------------------------------------------------------------------------

@@ -14,26 +14,14 @@ import transformers
 from safetensors.torch import load_file
 
 import titanite
-from tests.conftest import (REPO, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, stop_after,
-                            tiny_train_args)
+from tests.conftest import (REPO, TINY_MOE, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, stop_after,
+                            tiny_train_args, transformers_model)
 from titanite.config import ModelConfig, load_config
 from titanite.errors import UserError
+from titanite.models.handle import handle_of
 from titanite.models.spec import get_spec
 from titanite.trainer import Trainer
 
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-CASES = {
-    "dense_tied": dict(tie_word_embeddings=True),
-    "dense_untied_rope5e6": dict(tie_word_embeddings=False, rope_theta=5e6),
-    "moe": dict(MOE, tie_word_embeddings=False),
-    # a dense layer among sparse ones, and a tied head, as some MoE configs have
-    "moe_mixed_tied": dict(MOE, num_hidden_layers=3, mlp_only_layers=[1], tie_word_embeddings=True),
-}
-
-
-def transformers_model(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                             attn_implementation="sdpa").eval()
 
 
 def ids(shape=(2, 33), seed=1):
@@ -59,60 +47,22 @@ def all_tensors(folder) -> dict[str, torch.Tensor]:
 
 # -- the model against transformers ---------------------------------------------------------
 
-@pytest.mark.parametrize("case", CASES)
-def test_logits_and_grads_match_transformers_loading(tmp_path, case):
-    """titanite's loader (per-expert keys fused by our adapter) vs transformers' from_pretrained."""
-    folder = make_hf_checkpoint(tmp_path / case, **CASES[case])
-    ours = titanite.load_pretrained(folder, spec="hf")
-    ref = transformers_model(folder)
-    x = ids()
-    ours_logits, ref_logits = ours(x), ref(x).logits
-    assert ours_logits.shape == (2, 33, TINY_VOCAB)
-    assert (ours_logits - ref_logits).abs().max().item() <= 1e-5
-    g = torch.randn(ref_logits.shape, generator=torch.Generator().manual_seed(2))
-    (ours_logits * g).sum().backward()
-    (ref_logits * g).sum().backward()
-    ref_grads = dict(ref.named_parameters())
-    ours_params = dict(ours.hf.named_parameters())
-    assert set(ours_params) == set(ref_grads)
-    for name, p in ours_params.items():
-        assert torch.allclose(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-6), name
-
-
-@pytest.mark.parametrize("case", ["dense_tied", "moe_mixed_tied"])
-def test_export_is_the_hub_layout_bitwise(tmp_path, case):
-    src = make_hf_checkpoint(tmp_path / "src", **CASES[case])
-    model = titanite.load_pretrained(src, spec="hf")
-    out = titanite.save_pretrained(model, tmp_path / "out", max_shard_mb=1)
-    original, exported = all_tensors(src), all_tensors(out)
-    assert set(exported) == set(original)  # per-expert keys on disk, no tied head
-    for key, t in original.items():
-        assert torch.equal(exported[key], t), key
-    source_cfg = json.loads((src / "config.json").read_text())
-    out_cfg = json.loads((out / "config.json").read_text())
-    out_cfg.pop("dtype"), source_cfg.pop("dtype")
-    assert out_cfg == source_cfg
-    x = ids((1, 20))
-    assert (transformers_model(out)(x).logits - model(x)).abs().max().item() <= 1e-5
-
-
 @pytest.mark.parametrize("flavor", ["debug", "debug-untied", "debug-moe-mixed"])
 def test_flavor_builds_the_same_model_under_both_specs(flavor):
     """A flavor maps to the equivalent transformers config, and the same seed draws the same
     random init, so a config file runs under either spec unchanged."""
-    models = {}
+    handles = {}
     for spec_name in ("qwen3", "hf"):
-        spec = get_spec(spec_name)
-        model = spec.build(ModelConfig(spec=spec_name, flavor=flavor))
-        model.to_empty(device="cpu")
-        spec.init_buffers(model)
+        handle = get_spec(spec_name).build(ModelConfig(spec=spec_name, flavor=flavor))
+        handle.module.to_empty(device="cpu")
+        handle.init_buffers()
         torch.manual_seed(0)
-        spec.init_weights(model, 0.02)
-        models[spec_name] = (spec, model)
-    (ns, native), (hs, hf) = models["qwen3"], models["hf"]
+        handle.init_weights(0.02)
+        handles[spec_name] = handle
+    native, hf = handles["qwen3"].module, handles["hf"].module
     assert hf.hf.config.tie_word_embeddings == native.args.tie_word_embeddings
     assert hf.hf.config.rope_parameters["rope_theta"] == native.args.rope_theta
-    native_sd, hf_sd = dict(ns.hf_state_dict(native)), dict(hs.hf_state_dict(hf))
+    native_sd, hf_sd = dict(handles["qwen3"].hf_state_dict()), dict(handles["hf"].hf_state_dict())
     assert set(native_sd) == set(hf_sd)
     for key, t in native_sd.items():
         assert torch.equal(hf_sd[key], t), key
@@ -123,29 +73,14 @@ def test_flavor_builds_the_same_model_under_both_specs(flavor):
 
 # -- traps ----------------------------------------------------------------------------------
 
-def test_rope_buffers_recomputed_after_meta_init(tmp_path):
-    folder = make_hf_checkpoint(tmp_path / "m", rope_theta=5e6)
-    spec = get_spec("hf")
-    model = spec.build(ModelConfig(spec="hf", hf_path=str(folder)))
-    assert model.hf.model.rotary_emb.inv_freq.is_meta  # built on meta: nothing computed yet
-    model.to_empty(device="cpu")
-    spec.init_buffers(model)
-    expected = transformers_model(folder).model.rotary_emb.inv_freq
-    assert torch.equal(model.hf.model.rotary_emb.inv_freq, expected)
-    assert torch.equal(expected, 1.0 / (5e6 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
-    bf16 = titanite.load_pretrained(folder, spec="hf", dtype=torch.bfloat16)
-    assert bf16.hf.model.rotary_emb.inv_freq.dtype == torch.float32
-    assert torch.equal(bf16.hf.model.rotary_emb.inv_freq, expected)
-
-
 def test_config_json_values_win_over_library_defaults(tmp_path, monkeypatch):
     # Qwen3-MoE's config class defaults router_aux_loss_coef to 0.001 and norm_topk_prob to
     # False; a config.json that states norm_topk_prob and omits the coefficient keeps both.
-    folder = make_hf_checkpoint(tmp_path / "moe", **MOE, output_router_logits=True)
+    folder = make_hf_checkpoint(tmp_path / "moe", **TINY_MOE, output_router_logits=True)
     cfg = json.loads((folder / "config.json").read_text())
     del cfg["router_aux_loss_coef"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    model = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(folder)))
+    model = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(folder))).module
     assert transformers.AutoConfig.from_pretrained(folder).router_aux_loss_coef == 0.001  # the library default
     assert model.hf.config.router_aux_loss_coef == 0.0 and model.hf.config.norm_topk_prob is True
 
@@ -200,12 +135,12 @@ def _remote_code_checkpoint(tmp_path):
 
 def test_remote_code_runs_only_when_trusted(tmp_path):
     folder, marker = _remote_code_checkpoint(tmp_path)
-    model = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(folder)))
+    model = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(folder))).module
     assert type(model.hf) is transformers.Qwen3ForCausalLM and not marker.exists()
     # Trusted, in a child process so the dynamic-module cache stays under tmp_path.
     code = ("from titanite.config import ModelConfig; from titanite.models.spec import get_spec; "
             f"m = get_spec('hf').build(ModelConfig(spec='hf', hf_path={str(folder)!r}, trust_remote_code=True)); "
-            "print(type(m.hf).__name__)")
+            "print(type(m.module.hf).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -213,28 +148,27 @@ def test_remote_code_runs_only_when_trusted(tmp_path):
 
 
 def test_attention_and_experts_implementations_are_chosen_explicitly(tmp_path):
-    dense = get_spec("hf").build(ModelConfig(spec="hf", flavor="debug"))
-    moe = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(make_hf_checkpoint(tmp_path / "m", **MOE))))
+    dense = get_spec("hf").build(ModelConfig(spec="hf", flavor="debug")).module
+    moe = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(make_hf_checkpoint(tmp_path / "m", **TINY_MOE)))).module
     assert dense.hf.config._attn_implementation == "sdpa"
     assert moe.hf.config._attn_implementation == "sdpa"
     assert moe.hf.config._experts_implementation == "grouped_mm"
 
 
 def test_moe_aux_loss_follows_config_json_and_is_reported(tmp_path, tiny_tokenizer_dir, tiny_data):
-    on = make_hf_checkpoint(tmp_path / "on", tiny_tokenizer_dir, **MOE, output_router_logits=True,
+    on = make_hf_checkpoint(tmp_path / "on", tiny_tokenizer_dir, **TINY_MOE, output_router_logits=True,
                             router_aux_loss_coef=0.05)
-    off = make_hf_checkpoint(tmp_path / "off", tiny_tokenizer_dir, **MOE, output_router_logits=False,
+    off = make_hf_checkpoint(tmp_path / "off", tiny_tokenizer_dir, **TINY_MOE, output_router_logits=False,
                              router_aux_loss_coef=0.05)
     # Unit: the scaled aux loss is transformers' own load-balancing loss times the coefficient.
-    spec = get_spec("hf")
     model = titanite.load_pretrained(on, spec="hf")
     x = ids((2, 24))
     batch = {"input_ids": x, "position_ids": torch.arange(24).expand(2, -1)}
-    out = spec.forward_train(model, batch)
+    out = handle_of(model).forward_train(batch)
     ref = transformers_model(on)(x, output_router_logits=True)
     assert torch.allclose(out.aux_loss, 0.05 * ref.aux_loss, rtol=1e-5)
     assert (out.logits - ref.logits).abs().max().item() <= 1e-5
-    assert spec.forward_train(titanite.load_pretrained(off, spec="hf"), batch).aux_loss is None
+    assert handle_of(titanite.load_pretrained(off, spec="hf")).forward_train(batch).aux_loss is None
     # In training: reported beside the loss, never inside it, and only when config.json asks.
     train(tiny_train_args(on, tiny_data, tmp_path / "run_on", steps=2, **{"model.spec": "hf"}))
     train(tiny_train_args(off, tiny_data, tmp_path / "run_off", steps=2, **{"model.spec": "hf"}))
@@ -276,7 +210,7 @@ def test_non_qwen3_checkpoint_is_a_user_error(tmp_path):
 PARITY = {  # checkpoint config.json overrides, run overrides, steps
     "dense": (dict(tie_word_embeddings=True), {}, 20),
     # sparse, dense and sparse layers; the aux loss on, so it is trained on and compared too
-    "moe": (dict(MOE, num_hidden_layers=3, mlp_only_layers=[1], output_router_logits=True,
+    "moe": (dict(TINY_MOE, num_hidden_layers=3, mlp_only_layers=[1], output_router_logits=True,
                  router_aux_loss_coef=0.01), {}, 20),
     # whole documents packed per window: positions restart, attention stays inside each
     "dense_packed_documents": (dict(tie_word_embeddings=False),
@@ -314,7 +248,7 @@ def test_steps_match_native_and_exports_agree(tmp_path, tiny_tokenizer_dir, tiny
 
 def test_resume_matches_uninterrupted_moe(tmp_path, tiny_tokenizer_dir, tiny_data):
     """DCP save/resume of the fused-expert, tied-head model reproduces the uninterrupted run."""
-    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **MOE, tie_word_embeddings=True)
+    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **TINY_MOE, tie_word_embeddings=True)
     args = lambda out: tiny_train_args(folder, tiny_data, out, steps=5, **{"model.spec": "hf"})  # noqa: E731
     full, split = tmp_path / "full", tmp_path / "split"
     train(args(full))
@@ -326,7 +260,7 @@ def test_resume_matches_uninterrupted_moe(tmp_path, tiny_tokenizer_dir, tiny_dat
 
 
 def test_cli_train_and_export_command(tmp_path, tiny_tokenizer_dir, tiny_data):
-    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **MOE)
+    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **TINY_MOE)
     out = tmp_path / "run"
     run_cli("train", *tiny_train_args(folder, tiny_data, out, steps=2, **{"model.spec": "hf"}), check=True)
     assert (out / "config.toml").read_text().count('spec = "hf"') == 1
@@ -339,7 +273,7 @@ def test_cli_train_and_export_command(tmp_path, tiny_tokenizer_dir, tiny_data):
 
 
 def test_activation_checkpointing_keeps_the_losses(tmp_path, tiny_tokenizer_dir, tiny_data):
-    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **MOE)
+    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **TINY_MOE)
     for mode in ("none", "selective"):
         train(tiny_train_args(folder, tiny_data, tmp_path / mode, steps=3,
                               **{"model.spec": "hf", "parallelism.activation_checkpoint": mode}))
@@ -349,7 +283,7 @@ def test_activation_checkpointing_keeps_the_losses(tmp_path, tiny_tokenizer_dir,
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_matches_one_process(tmp_path, tiny_tokenizer_dir, tiny_data):
     """torchrun + gloo, dp_shard = 2, MoE with a tied head: the same losses and export as one process."""
-    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **MOE, tie_word_embeddings=True)
+    folder = make_hf_checkpoint(tmp_path / "moe", tiny_tokenizer_dir, **TINY_MOE, tie_word_embeddings=True)
     common = {"model.spec": "hf", "training.global_batch_size": 4}
     one, two = tmp_path / "one", tmp_path / "two"
     train(tiny_train_args(folder, tiny_data, one, steps=4, **common))

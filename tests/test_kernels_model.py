@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import titanite
-from conftest import REPO, TINY_VOCAB, make_hf_checkpoint
+from conftest import REPO, TINY_MOE, TINY_VOCAB, counting, make_hf_checkpoint
 from titanite import kernels
 from titanite.kernels import chunked_loss, registry
 
@@ -93,26 +93,6 @@ def test_chunked_loss_never_holds_the_logits():
     assert peaks["chunked"] < logits / 4, peaks
 
 
-def count_calls(op: str, name: str, scratch: list, calls: list) -> None:
-    ref = kernels.reference(op)
-
-    def impl(*args, **kw):
-        calls.append(op)
-        return ref(*args, **kw)
-
-    impl.__signature__ = registry.signature(op)
-    kernels.register(op, name)(impl)
-    scratch.append((op, name))
-
-
-@pytest.fixture
-def scratch_impls():
-    added: list[tuple[str, str]] = []
-    yield added
-    for op, name in added:
-        registry.unregister(op, name)
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_transformers_backend_runs_titanite_attention_and_experts(tmp_path, scratch_impls, packed):
     """A transformers Qwen3-MoE with titanite's ops installed gives transformers' own logits and
@@ -121,16 +101,15 @@ def test_transformers_backend_runs_titanite_attention_and_experts(tmp_path, scra
     import transformers
 
     from titanite.kernels.hf import install
-    from titanite.models.hf.model import document_causal_mask
+    from titanite.kernels import block_causal_mask
 
-    folder = make_hf_checkpoint(tmp_path / "moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                norm_topk_prob=True)
+    folder = make_hf_checkpoint(tmp_path / "moe", **TINY_MOE)
     ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
                                                                experts_implementation="eager")
     calls: list[str] = []
     for op in ("attention", "moe.dispatch", "moe.experts"):
-        count_calls(op, f"scratch_counting_{op}", scratch_impls, calls)
+        counting(op, f"scratch_counting_{op}", scratch_impls, calls)
     install(ours)
     bound = kernels.attach(ours, {op: f"scratch_counting_{op}" for op in ("attention", "moe.dispatch", "moe.experts")},
                            "cpu", torch.float32)
@@ -140,7 +119,7 @@ def test_transformers_backend_runs_titanite_attention_and_experts(tmp_path, scra
     kw = {}
     if packed:
         docs = torch.tensor([[0] * 5 + [1] * 8, [0] * 2 + [1] * 1 + [2] * 10])
-        kw = {"attention_mask": document_causal_mask(docs),
+        kw = {"attention_mask": block_causal_mask(docs),
               "position_ids": torch.cat([torch.arange(n) for n in (5, 8, 2, 1, 10)]).view(2, 13)}
     g = torch.randn(2, 13, TINY_VOCAB, generator=torch.Generator().manual_seed(3))
     outs = []
@@ -151,4 +130,4 @@ def test_transformers_backend_runs_titanite_attention_and_experts(tmp_path, scra
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     for name, grad in outs[0][1].items():
         torch.testing.assert_close(grad, outs[1][1][name], rtol=1e-4, atol=1e-5, msg=name)
-    assert calls.count("attention") == 2 and calls.count("moe.dispatch") == 2 and calls.count("moe.experts") == 2
+    assert [calls.count(f"scratch_counting_{op}") for op in ("attention", "moe.dispatch", "moe.experts")] == [2, 2, 2]

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import REPO, run_cli
+from conftest import REPO, counting, run_cli
 from titanite import kernels
 from titanite.errors import UserError
 from titanite.kernels import registry
@@ -20,28 +20,6 @@ from titanite.models.qwen3.model import Qwen3
 
 TINY = get_flavor("debug").replace(vocab_size=256, num_layers=2, hidden_size=64, intermediate_size=96,
                                     head_dim=16)
-
-
-@pytest.fixture
-def scratch_impls():
-    """Implementations registered by a test are removed after it."""
-    added: list[tuple[str, str]] = []
-    yield added
-    for op, name in added:
-        registry.unregister(op, name)
-
-
-def counting(op: str, name: str, scratch: list, calls: list):
-    """Register `name` for `op`: the reference, recording each call."""
-    ref = kernels.reference(op)
-
-    def impl(*args, **kw):
-        calls.append(name)
-        return ref(*args, **kw)
-
-    impl.__signature__ = registry.signature(op)
-    kernels.register(op, name)(impl)
-    scratch.append((op, name))
 
 
 def tiny_model() -> Qwen3:

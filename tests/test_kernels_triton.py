@@ -47,14 +47,6 @@ def test_verify_passes_for_every_builtin_kernel(tmp_path):
     assert "0 failed" in proc.stdout and "| pass" in proc.stdout
 
 
-@pytest.fixture
-def scratch_impls():
-    added: list[tuple[str, str]] = []
-    yield added
-    for op, name in added:
-        registry.unregister(op, name)
-
-
 class _WrongBackward(torch.autograd.Function):
     """silu(gate) * up forward, with d/dgate missing the silu derivative's second term."""
 

@@ -11,12 +11,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import titanite
-from tests.conftest import TINY_VOCAB, make_hf_checkpoint
+from tests.conftest import TINY_MOE, TINY_VOCAB, assert_grads_match, make_hf_checkpoint, transformers_model
 from titanite.config import ModelConfig
+from titanite.models.handle import handle_of
 from titanite.models.qwen3.state_dict import Qwen3StateDictAdapter
 from titanite.models.spec import get_spec
 
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE = dict(TINY_MOE, num_experts=8, norm_topk_prob=False)  # each case states its normalisation
 CASES = {
     "norm_topk_false": dict(MOE, norm_topk_prob=False),
     "norm_topk_true": dict(MOE, norm_topk_prob=True),
@@ -30,47 +31,11 @@ TOL = 1e-5
 
 
 def load_both(folder):
-    # transformers' eager experts: the plain per-expert loop, the most direct statement of the math.
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
-                                                           experts_implementation="eager").eval()
-    return hf, titanite.load_pretrained(folder, spec="qwen3", dtype=torch.float32)
+    return transformers_model(folder), titanite.load_pretrained(folder, spec="qwen3", dtype=torch.float32)
 
 
 def token_ids(shape, seed=1):
     return torch.randint(0, TINY_VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def hf_grads_on_disk_layout(hf) -> dict[str, torch.Tensor]:
-    """transformers' gradients under the on-disk (per-expert) keys. In memory transformers 5.x
-    fuses the experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
-    out = {}
-    for name, p in hf.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            gate, up = p.grad.chunk(2, dim=1)
-            for e in range(p.shape[0]):
-                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e]
-                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e]
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(p.shape[0]):
-                out[name.replace("down_proj", f"{e}.down_proj.weight")] = p.grad[e]
-        else:
-            out[name] = p.grad
-    return out
-
-
-def native_grads_on_disk_layout(model) -> dict[str, torch.Tensor]:
-    adapter = Qwen3StateDictAdapter(model.args)
-    return {k: g for n, p in model.named_parameters() for k, g in adapter.to_hf(n, p.grad)}
-
-
-def assert_grads_match(ours, hf):
-    """Every gradient within 1e-5 of transformers', relative to the tensor's own scale when that
-    exceeds 1 (fp32 rounding of an O(100) embedding gradient alone is ~1e-5 absolute)."""
-    mine, theirs = native_grads_on_disk_layout(ours), hf_grads_on_disk_layout(hf)
-    assert set(mine) == set(theirs)
-    errors = {k: (mine[k] - theirs[k]).abs().max().item() / max(1.0, theirs[k].abs().max().item()) for k in mine}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, (worst, errors[worst])
 
 
 def idle_experts_per_layer(router_logits: tuple[torch.Tensor, ...], top_k: int, num_experts: int) -> list[int]:
@@ -95,7 +60,7 @@ def test_logits_and_grads_match_transformers(tmp_path, case):
     g = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
     (logits * g).sum().backward()
     (hf_out.logits * g).sum().backward()
-    assert_grads_match(ours, hf)
+    assert_grads_match(ours, hf, TOL)
     if case == "top1_idle_experts":  # experts that saw no token get an exact zero gradient
         experts = ours.layers[0].feed_forward.experts
         idle = experts.w_gate_up.grad.abs().sum((1, 2)) == 0
@@ -116,13 +81,13 @@ def mean_cross_entropy(out, batch):
 
 def test_aux_loss_and_its_gradients_match_transformers(tmp_path):
     # A coefficient other than the config default, on a model with a dense layer among sparse ones.
-    folder = make_hf_checkpoint(tmp_path / "m", **MOE, norm_topk_prob=True, num_hidden_layers=3,
+    folder = make_hf_checkpoint(tmp_path / "m", **dict(MOE, norm_topk_prob=True), num_hidden_layers=3,
                                 mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.05)
     hf, ours = load_both(folder)
     ids = token_ids((2, 17))
     hf_out = hf(ids, labels=ids)  # loss = mean CE (labels shifted inside) + coef * aux_loss
     batch = train_batch(ids)
-    out = get_spec("qwen3").forward_train(ours, batch)
+    out = handle_of(ours).forward_train(batch)
     assert out.aux_loss is not None
     assert abs(out.aux_loss.item() - 0.05 * hf_out.aux_loss.item()) <= 1e-7
     assert out.stats["moe/load_balance_loss"] == pytest.approx(hf_out.aux_loss.item(), rel=1e-6)
@@ -130,13 +95,13 @@ def test_aux_loss_and_its_gradients_match_transformers(tmp_path):
     assert abs((ce + out.aux_loss).item() - hf_out.loss.item()) <= TOL
     (ce + out.aux_loss).backward()
     hf_out.loss.backward()
-    assert_grads_match(ours, hf)
+    assert_grads_match(ours, hf, TOL)
 
 
 def test_aux_loss_only_when_output_router_logits(tmp_path):
     folder = make_hf_checkpoint(tmp_path / "m", **MOE, router_aux_loss_coef=0.05)  # output_router_logits off
     ours = titanite.load_pretrained(folder)
-    out = get_spec("qwen3").forward_train(ours, train_batch(token_ids((2, 9))))
+    out = handle_of(ours).forward_train(train_batch(token_ids((2, 9))))
     assert out.aux_loss is None
     assert out.stats["moe/load_balance_loss"] > 0  # still reported, not trained on
 
@@ -147,7 +112,7 @@ def test_load_telemetry_matches_transformers_router(tmp_path):
     ids = token_ids((2, 6))
     with torch.no_grad():
         router_logits = hf(ids, output_router_logits=True).router_logits  # MoE layers 1 and 3
-        stats = get_spec("qwen3").forward_train(ours, train_batch(ids)).stats
+        stats = handle_of(ours).forward_train(train_batch(ids)).stats
     for layer, logits in zip((1, 3), router_logits, strict=True):
         counts = torch.bincount(logits.topk(2, dim=-1).indices.flatten(), minlength=8).float()
         assert stats[f"moe/layer{layer}/max_over_mean"] == pytest.approx((counts.max() / counts.mean()).item())
@@ -161,7 +126,7 @@ def test_expert_layout_on_meta_matches_the_checkpoint(tmp_path):
     """The adapter's per-expert names and shapes, computed on meta tensors (no data), are
     exactly the tensors transformers wrote."""
     folder = make_hf_checkpoint(tmp_path / "m", **MOE, num_hidden_layers=3, mlp_only_layers=[1])
-    model = get_spec("qwen3").build(ModelConfig(hf_path=str(folder)))  # on meta
+    model = get_spec("qwen3").build(ModelConfig(hf_path=str(folder))).module  # on meta
     adapter = Qwen3StateDictAdapter(model.args)
     expected = {k: tuple(t.shape) for n, p in model.state_dict().items() for k, t in adapter.to_hf(n, p)}
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
@@ -170,31 +135,12 @@ def test_expert_layout_on_meta_matches_the_checkpoint(tmp_path):
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in on_disk
 
 
-def test_round_trip_is_bitwise_and_loads_in_transformers(tmp_path):
-    src = make_hf_checkpoint(tmp_path / "src", **MOE, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])
-    model = titanite.load_pretrained(src)
-    out = titanite.save_pretrained(model, tmp_path / "out", max_shard_mb=1)  # several shards
-    original = load_file(src / "model.safetensors")
-    exported = {}
-    for f in out.glob("*.safetensors"):
-        exported.update(load_file(f))
-    assert set(exported) == set(original)
-    for k in original:
-        assert torch.equal(exported[k], original[k]), k
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert hf.config.norm_topk_prob is True and hf.config.mlp_only_layers == [1]
-    ids = token_ids((2, 12))
-    assert torch.equal(hf(ids).logits, transformers.AutoModelForCausalLM.from_pretrained(
-        src, dtype=torch.float32).eval()(ids).logits)
-    assert (hf(ids).logits - model(ids)).abs().max().item() <= TOL
-
-
 def test_random_init_debug_flavor_exports_to_transformers(tmp_path):
-    spec = get_spec("qwen3")
-    model = spec.build(ModelConfig(flavor="debug-moe"))
+    handle = get_spec("qwen3").build(ModelConfig(flavor="debug-moe"))
+    model = handle.module
     model.to_empty(device="cpu")
     torch.manual_seed(0)
-    spec.init_weights(model, 0.02)
+    handle.init_weights(0.02)
     assert all(torch.equal(layer.feed_forward.router.expert_bias, torch.zeros(8)) for layer in model.layers)
     out = titanite.save_pretrained(model.eval(), tmp_path / "out")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
+from tests.conftest import TINY_MOE, make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
 from titanite.checkpoint import training_state
 from titanite.config import ModelConfig, load_config
 from titanite.models.qwen3.moe import moe_layers
 from titanite.models.spec import get_spec
 from titanite.trainer import Trainer
 
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-           output_router_logits=True, router_aux_loss_coef=0.01)
+MOE = dict(TINY_MOE, num_experts=8, output_router_logits=True, router_aux_loss_coef=0.01)
 
 
 @pytest.fixture
@@ -73,7 +72,7 @@ def test_resume_with_balancing_bias_reproduces_uninterrupted(tmp_path, tiny_moe,
     for a, b in zip(biases(resumed.model), biases(uninterrupted.model), strict=True):
         assert torch.equal(a, b)
     # The final checkpoint holds the same bias (DCP saves the persistent buffer).
-    model = get_spec("qwen3").build(ModelConfig(hf_path=str(tiny_moe)))
+    model = get_spec("qwen3").build(ModelConfig(hf_path=str(tiny_moe))).module
     model.to_empty(device="cpu")
     training_state.load(training_state.latest_checkpoint(split / "checkpoints"), model, None)
     for a, b in zip(biases(model), biases(uninterrupted.model), strict=True):

@@ -151,7 +151,7 @@ def test_2_nonfinite_weights_are_never_saved(tmp_path, capsys, reference, monkey
     from titanite.optim import param_groups
 
     hf, data, want = reference
-    model = get_spec("qwen3").build(ModelConfig(hf_path=str(hf)))
+    model = get_spec("qwen3").build(ModelConfig(hf_path=str(hf))).module
     names = {id(p): n for n, p in model.named_parameters()}
     poisoned_name = names[id(param_groups(model, TrainingConfig())[0]["params"][1])]
     out = tmp_path / "run"

@@ -85,17 +85,15 @@ def test_resume_in_process_reproduces_uninterrupted(tmp_path, tiny_hf, tiny_data
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_hf, tiny_data, monkeypatch):
-    import titanite.trainer as trainer_mod
-
-    real = trainer_mod.output_loss_sum
+    real = Trainer._forward
     seen = {"n": 0}
 
-    def poisoned(out, labels):
+    def poisoned(self, batch):
         seen["n"] += 1
-        loss = real(out, labels)
-        return loss * float("nan") if seen["n"] == 3 else loss
+        out, loss = real(self, batch)
+        return out, (loss * float("nan") if seen["n"] == 3 else loss)
 
-    monkeypatch.setattr(trainer_mod, "output_loss_sum", poisoned)
+    monkeypatch.setattr(Trainer, "_forward", poisoned)
     out = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match=r"loss is nan .* at step 3.*step-2"):
         train_in_process(tiny_train_args(tiny_hf, tiny_data, out, steps=6))
