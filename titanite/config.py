@@ -140,7 +140,7 @@ class ParallelismConfig:
 class KernelsConfig:
     plugins: list[str] = _f([], "Python modules imported at start-up that register kernels.")
     fallback: bool = _f(False, "When a chosen kernel cannot run on this device/dtype, use the reference with a warning instead of stopping.")
-    select: dict[str, str] = _f({}, "Op name or module FQN glob -> implementation. In TOML these are written directly in [kernels], e.g. \"moe.experts\" = \"grouped_mm\".")
+    select: dict[str, str] = _f({}, "Op name or module FQN glob -> implementation. In TOML these are written directly in [kernels], e.g. \"moe.experts\" = \"grouped_mm\". loss = \"auto\" (the default) picks \"chunked\" when one micro-batch's fp32 logits would exceed 10% of the device's memory, else \"reference\" (the plain fused cross-entropy, faster where memory is not short).")
 
 
 @dataclass

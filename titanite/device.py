@@ -6,11 +6,16 @@ so CPU, CUDA and out-of-tree devices (e.g. Trainium's `neuron`) share one code p
 
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
 import os
+import platform
 import resource
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,31 +61,147 @@ def dist_backend(device: torch.device) -> str:
     return f"cpu:gloo,{device.type}:{backend}"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0) -> float:
-    """Peak FLOP/s for MFU: configured, else the known-GPU table, else a GEMM measured now."""
+@dataclass(frozen=True)
+class Peak:
+    """A device's peak FLOP/s for MFU, and where the number came from (for the log)."""
+
+    flops: float
+    source: str
+
+    def describe(self) -> str:
+        value = f"{self.flops / 1e12:.1f} TFLOP/s" if self.flops >= 1e12 else f"{self.flops / 1e9:.1f} GFLOP/s"
+        return f"{value} ({self.source})"
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0) -> Peak:
+    """Peak FLOP/s for MFU: configured, else the known-GPU table, else a short GEMM measured on
+    this device (on CPU cached per machine, thread count and dtype; see measured_peak)."""
     if configured_tflops > 0:
-        return configured_tflops * 1e12
+        return Peak(configured_tflops * 1e12, "metrics.peak_tflops")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, tflops in _GPU_PEAK_BF16.items():
             if key in name:
-                return tflops * 1e12 * (1.0 if dtype == torch.bfloat16 else 0.5)
+                return Peak(tflops * 1e12 * (1.0 if dtype == torch.bfloat16 else 0.5), f"{key} table")
         log.warning("unknown GPU '%s': measuring its peak with a GEMM; set metrics.peak_tflops", name)
-    return measure_gemm_flops(device, dtype)
+    return measured_peak(device, dtype)
 
 
-def measure_gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
-    """Achieved FLOP/s of an n^3 matmul, a practical peak for devices with no table entry."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    synchronize(device)
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+def measured_peak(device: torch.device, dtype: torch.dtype, refresh: bool = False) -> Peak:
+    """The GEMM peak of `device` in `dtype`. On CPU the result is cached in
+    `$XDG_CACHE_HOME/titanite/peak_flops.json` (default ~/.cache), keyed by CPU model, thread
+    count, torch version and dtype, so later runs start without measuring; `refresh` measures
+    again and keeps the larger value."""
+    if device.type != "cpu":
+        return Peak(measure_gemm_flops(device, dtype), "measured")
+    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    cache = _read_cache()
+    if key in cache and not refresh:
+        return Peak(float(cache[key]), "measured, cached")
+    flops = max(measure_gemm_flops(device, dtype), float(cache.get(key, 0.0)))
+    cache[key] = flops
+    _write_cache(cache)
+    return Peak(flops, "measured")
+
+
+def measure_gemm_flops(device: torch.device, dtype: torch.dtype, budget_s: float = 0.25) -> float:
+    """Achieved FLOP/s of a square matmul, a practical peak for devices with no table entry.
+
+    Bounded in time on every device: the size doubles from 128 while one product takes under
+    10 ms (at most 2048), then products of that size repeat for `budget_s`. A CPU without bf16
+    matrix units (0.2 GFLOP/s) is measured in well under a second, a fast one at full size."""
+    n, seconds = 128, 0.0
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        a @ b  # warm-up
+        seconds = min(_time_matmul(a, b, 1) for _ in range(3))  # the least disturbed of three
+        if seconds > 0.01 or n >= 2048:
+            break
+        n *= 2
+    iters = max(1, min(1000, int(budget_s / max(seconds, 1e-6))))
+    return 2 * n**3 * iters / _time_matmul(a, b, iters)
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor, iters: int) -> float:
+    synchronize(a.device)
+    start = time.perf_counter()
+    for _ in range(iters):
         a @ b
-        iters += 1
-    synchronize(device)
-    return 2 * n**3 * iters / (time.perf_counter() - start)
+    synchronize(a.device)
+    return time.perf_counter() - start
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "titanite" / "peak_flops.json"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    path = _cache_file()
+    try:  # a cache only: an unwritable home is no reason to stop a run
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("could not cache the measured peak in %s: %s", path, e)
+
+
+def warn_if_slow_bf16(device: torch.device) -> None:
+    """bf16 on a CPU whose bf16 matrix products are not clearly faster than fp32 (no bf16 matrix
+    units: AVX2-only x86 runs them ~190x slower): say so once, with both numbers."""
+    if device.type != "cpu":
+        return
+    bf16, fp32 = measured_peak(device, torch.bfloat16), measured_peak(device, torch.float32)
+    if bf16.flops < 1.5 * fp32.flops:
+        log.warning("training.mixed_precision = 'bf16' on this CPU: bf16 matrix products run at %s, fp32 at "
+                    "%s, so bf16 trains slower than fp32 here; set training.mixed_precision = 'none'",
+                    bf16.describe(), fp32.describe())
+
+
+def keep_freed_host_memory() -> bool:
+    """Make glibc keep freed memory in the process instead of handing large blocks back to the
+    OS. By default every allocation over a threshold is its own mmap, unmapped when freed, so a
+    training step that allocates and frees the same large tensors (logits, activations) faults
+    every page in again each step, and the kernel zeroes each one: the demo's step ran 2.5x
+    slower that way (docs/performance.md). Peak RSS is what a run needs anyway; memory freed
+    below the peak stays reserved for the next step. True when applied (Linux with glibc);
+    `TITANITE_KEEP_FREED_MEMORY=0` leaves glibc's defaults (benchmarks/host_memory.py compares)."""
+    if not sys.platform.startswith("linux") or os.environ.get("TITANITE_KEEP_FREED_MEMORY") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory on `device` (host RAM for the CPU)."""
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return torch.accelerator.get_memory_info(device)[1] if hasattr(torch.accelerator, "get_memory_info") \
+        else torch.cuda.get_device_properties(device).total_memory
 
 
 def synchronize(device: torch.device) -> None:

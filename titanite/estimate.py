@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from titanite.config import Config
+from titanite.device import Peak
 from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
@@ -147,14 +148,17 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     """The estimate for `cfg` on `world_size` ranks. The config's model is built on the meta
     device and its layout checked as training checks it; `args` (another architecture, for
     what-if estimates) and `profile` override what that model says."""
+    from titanite.device import pick_device
     from titanite.models.spec import get_spec
-    from titanite.preflight import check_layout
+    from titanite.preflight import check_layout, choose_loss
 
     d = ParallelDims.resolve(cfg.parallelism, world_size)
     handle = get_spec(cfg.model.spec).build(cfg.model)
     check_layout(d, handle)
     args = args or handle.args
-    profile = profile or handle.activation_profile(cfg.kernels, d.tp)
+    if profile is None:
+        kernels_cfg = choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True)
+        profile = handle.activation_profile(kernels_cfg, d.tp)
     a, t = args, cfg.training
     layers = [_layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
     top = _top_tensors(a, d.tp)
@@ -178,7 +182,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     return Estimate(d, local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient, flops, global_tokens)
 
 
-def report(e: Estimate, cfg: Config) -> str:
+def report(e: Estimate, cfg: Config, peak: Peak | None = None) -> str:
     d = e.dims
     rows = [("parameters (fp32, sharded)", e.params), ("gradients (fp32, sharded)", e.grads),
             ("optimizer (AdamW, fp32)", e.optimizer),
@@ -192,6 +196,10 @@ def report(e: Estimate, cfg: Config) -> str:
     lines += [f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows]
     lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} "
                  f"({e.tokens_per_step} tokens per step over all ranks)")
+    if peak is not None:  # the peak the trainer's MFU uses, from the same function
+        lines.append(f"device peak for MFU: {peak.describe()}; one step takes at least "
+                     f"{e.flops_per_step / peak.flops:.3g} s at that peak, {e.flops_per_step / (0.4 * peak.flops):.3g} s "
+                     "at 40% MFU")
     return "\n".join(lines)
 
 
@@ -208,5 +216,11 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     p = cfg.parallelism
     world = args.world_size or p.dp_replicate * max(p.dp_shard, 1) * p.tp
-    print(report(estimate(cfg, world), cfg))
+    import torch
+
+    from titanite.device import peak_flops, pick_device
+
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    peak = peak_flops(pick_device(cfg.job.device), dtype, cfg.metrics.peak_tflops)
+    print(report(estimate(cfg, world), cfg, peak))
     return 0

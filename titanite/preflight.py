@@ -25,6 +25,7 @@ the trainer does none of it twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 from titanite import device as devices
 from titanite import kernels
 from titanite.checkpoint.training_state import list_checkpoints
-from titanite.config import Config, ModelConfig
+from titanite.config import Config, KernelsConfig, ModelConfig
 from titanite.data.packing import packing_mode
 from titanite.data.sources import STDLIB
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
@@ -83,7 +84,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
         raise UserError(f"config key 'data.seq_len' ({cfg.data.seq_len}) exceeds the model's "
                         f"max_position_embeddings ({max_pos}); lower data.seq_len")
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    handle.attach_kernels(cfg.kernels, device.type, compute_dtype)
+    handle.attach_kernels(choose_loss(cfg, handle, device), device.type, compute_dtype)
     check_layout(dims, handle)
     # A run that will resume reads its weights from the checkpoint, not from model.hf_path.
     resuming = cfg.checkpoint.resume and bool(list_checkpoints(Path(cfg.job.output_dir) / "checkpoints"))
@@ -97,6 +98,30 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
                         "data.packing = 'pad' (one sample per sequence)")
     return Prepared(cfg, device, compute_dtype, dims, handle, tokenizer, weights, grad_accum)
+
+
+# `loss = "auto"` chooses the chunked loss when one micro-batch's fp32 logits would take more than
+# this share of the device's memory (host RAM on CPU), the plain fused cross-entropy otherwise.
+AUTO_LOSS_MEMORY_FRACTION = 0.10
+
+
+def choose_loss(cfg: Config, handle: ModelHandle, device: torch.device, quiet: bool = False) -> KernelsConfig:
+    """`[kernels]` with `loss = "auto"` (the default) resolved by memory, and the choice logged
+    with the numbers behind it. The chunked loss never holds the [tokens, V] logits but computes
+    the head matmul again in backward (about 10% slower where memory is not short); an explicit
+    `loss = "chunked"` or `"reference"` is kept as it is."""
+    select = cfg.kernels.select
+    if select.get("loss", "auto") != "auto":
+        return cfg.kernels
+    logits = cfg.training.batch_size * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
+    memory = devices.total_memory(device)
+    pick = "chunked" if logits > AUTO_LOSS_MEMORY_FRACTION * memory else "reference"
+    if not quiet:
+        log.info("kernel loss: auto -> %s (one micro-batch's logits, %d x %d tokens x %d vocab in fp32, take "
+                 "%.2f GiB = %.1f%% of the device's %.1f GiB; chunked above %d%%)", pick, cfg.training.batch_size,
+                 cfg.data.seq_len, handle.args.vocab_size, logits / 2**30, 100 * logits / memory, memory / 2**30,
+                 round(100 * AUTO_LOSS_MEMORY_FRACTION))
+    return dataclasses.replace(cfg.kernels, select={**select, "loss": pick})
 
 
 def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:

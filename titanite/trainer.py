@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,23 @@ log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
 
 
+@dataclass
+class StepResult:
+    """One optimizer step's numbers, as device tensors: read on the host only when logged."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    aux_loss: torch.Tensor | None
+    stats: dict[str, torch.Tensor]
+
+    def read(self) -> dict[str, float]:
+        """Every number, in one host transfer."""
+        named = {"loss": self.loss, "grad_norm": self.grad_norm,
+                 **({"aux_loss": self.aux_loss} if self.aux_loss is not None else {}), **self.stats}
+        values = torch.stack([torch.as_tensor(v, device=self.loss.device).float() for v in named.values()])
+        return dict(zip(named, values.tolist(), strict=True))
+
+
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in fp32. logits [B, S, V], labels [B, S] (IGNORE_INDEX skipped)."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -66,6 +84,8 @@ class Trainer:
     def _start(self, ready: Prepared) -> None:
         cfg = self.cfg
         self.device, self.handle, self.model = ready.device, ready.handle, ready.handle.module
+        if self.device.type == "cpu":  # before the first large allocation; see docs/performance.md
+            devices.keep_freed_host_memory()
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
         self.config_toml = to_toml(cfg)
@@ -87,7 +107,11 @@ class Trainer:
         self.finite = FiniteWatch(self.device)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if cfg.training.mixed_precision == "bf16" else contextlib.nullcontext())
-        self.peak_flops = devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops)
+        self.compute_dtype = ready.compute_dtype
+        self.peak = devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops)
+        self._peak_remeasured = self._mfu_dropped = False
+        if ready.compute_dtype == torch.bfloat16:
+            devices.warn_if_slow_bf16(self.device)
         self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
         if self.rank == 0:  # the first file a run writes, once everything it needs has loaded
             (self.out / "config.toml").write_text(self.config_toml)
@@ -96,8 +120,8 @@ class Trainer:
         self.stop_signal: int | None = None
         n = self.handle.num_params()
         log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
-                 "device %s, peak %.1f TFLOP/s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
-                 cfg.training.mixed_precision, self.accum, self.device, self.peak_flops / 1e12)
+                 "device %s, peak %s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
+                 cfg.training.mixed_precision, self.accum, self.device, self.peak.describe())
 
     def close(self, remove_empty_output: bool = False) -> None:
         """Release the output folder's lock (train() does this itself; call it after driving
@@ -154,7 +178,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         devices.reset_peak_memory(self.device)
         while self.step < cfg.training.steps:
-            loss, grad_norm = self.train_step()
+            result = self.train_step()
             self.step += 1
             window_steps += 1
             eval_row: dict[str, float] = {}
@@ -163,19 +187,20 @@ class Trainer:
                 eval_row = self.evaluate()
                 window_start += time.perf_counter() - eval_start  # not training throughput
             if self.metrics.should_log(self.step) or eval_row:
+                # The only host reads of a step, and only on logging steps: the non-finite
+                # watch, then every logged number in one transfer.
                 self._stop_if_nonfinite(before_save=False)
+                values = result.read()
                 devices.synchronize(self.device)
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / elapsed
                 mem = devices.memory_stats(self.device)
                 self.metrics.log({
-                    "step": self.step, "loss": loss, "lr": lr_at(cfg.training, self.step - 1),
-                    "grad_norm": grad_norm, "tokens_per_sec": tps,
-                    "mfu": self.flops_per_token * tps / (self.peak_flops * self.world.size),
+                    "step": self.step, "lr": lr_at(cfg.training, self.step - 1), **values,
+                    "tokens_per_sec": tps, "mfu": self._mfu(tps),
                     "mem_gib": mem.get("device_peak_alloc_gib", mem["host_peak_rss_gib"]),
                     **mem, "tokens_seen": tokens_per_step * self.step,
-                    **({"aux_loss": self.step_aux_loss} if self.step_aux_loss else {}),
-                    **self.step_stats, **self.loader.data_metrics(), **eval_row,
+                    **self.loader.data_metrics(), **eval_row,
                 })
                 window_start, window_steps = time.perf_counter(), 0
             interval = cfg.checkpoint.interval
@@ -191,66 +216,91 @@ class Trainer:
                 self._save()
         self._finish(save=True)
 
-    def train_step(self) -> tuple[float, float]:
+    def train_step(self) -> StepResult:
         """One optimizer step over `accum` micro-batches; loss is normalised by the number of
-        valid label tokens in the whole step (all micro-batches, all data-parallel ranks)."""
+        valid label tokens in the whole step (all micro-batches, all data-parallel ranks).
+
+        Nothing is read on the host: the numbers stay on the device (StepResult.read is the
+        logging step's one transfer). A non-finite loss or gradient norm is recorded by the
+        watch and its update skipped on the device (the fused optimizer's found_inf), so the
+        weights stay finite until the next log or save step stops the run."""
         batches = [self.loader.next_batch() for _ in range(self.accum)]
-        n_valid = torch.tensor(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               dtype=torch.float32, device=self.device)
-        n_valid = self.world.all_reduce_sum_dp(n_valid).clamp_min(1)
+        n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+        n_valid = self.world.all_reduce_sum_dp(n_valid.to(self.device, torch.float32)).clamp_min(1)
         total = torch.zeros((), device=self.device)
-        aux_total = torch.zeros((), device=self.device)
-        self.step_stats: dict[str, float] = {}
+        aux_total: torch.Tensor | None = None
+        stats: dict[str, torch.Tensor] = {}
         self.model.train()
         for b in batches:
             with self.world.loss_parallel():  # vocab-sharded logits under tensor parallel
                 out, loss_sum = self._forward(b)
                 loss = loss_sum / n_valid
-                total += loss.detach()
+                total = total + loss.detach()
                 if out.aux_loss is not None:  # reported separately, and only when the model asks for it
                     # The mean over every micro-batch of the global batch: data-parallel
                     # gradients are summed, so each rank's share is divided by their count too.
                     aux = distributed.full_tensor(out.aux_loss) / (self.accum * self.world.dp_size)
-                    aux_total += aux.detach()
+                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
                     loss = loss + aux
                 loss.backward()
             for k, v in out.stats.items():
-                self.step_stats[k] = self.step_stats.get(k, 0.0) + v / self.accum
+                stats[k] = stats.get(k, 0.0) + v / self.accum
         total = self.world.all_reduce_sum_dp(total)
-        self.step_aux_loss = float(self.world.all_reduce_sum_dp(aux_total))
-        max_norm = self.cfg.training.max_grad_norm or math.inf
-        grad_norm = float(clip_grad_norm_(self.model.parameters(), max_norm))
-        loss_value = float(total)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            self._diverged(f"loss is {loss_value} (grad norm {grad_norm}) at step {self.step + 1}")
+        if aux_total is not None:
+            aux_total = self.world.all_reduce_sum_dp(aux_total)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf)
+        ok = torch.isfinite(total) & torch.isfinite(grad_norm)
+        self.finite.note_update(self.step + 1, ok, total, grad_norm)
         set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
+        self.optimizer.found_inf = (~ok).float()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.finite.after_step(self.step + 1, self.model.parameters())  # read at log and save steps
+        self.finite.note_weights(self.step + 1, self.model.parameters())
         self.handle.after_optimizer_step(self.world.all_reduce_sum)
-        return loss_value, grad_norm
+        return StepResult(total, grad_norm, aux_total, stats)
+
+    def _mfu(self, tokens_per_sec: float) -> float | None:
+        """Model FLOPs utilisation, never above 1: an achieved rate above a measured peak means
+        the measurement was disturbed, so it is measured again (the larger value kept); above a
+        configured or tabled peak, or still above, the field is left empty (null), with a warning."""
+        mfu = self.flops_per_token * tokens_per_sec / (self.peak.flops * self.world.size)
+        if mfu <= 1.0:
+            return mfu
+        if self.peak.source.startswith("measured") and not self._peak_remeasured:
+            self._peak_remeasured = True
+            self.peak = devices.measured_peak(self.device, self.compute_dtype, refresh=True)
+            log.warning("achieved FLOP/s exceeded the measured peak: measured again, now %s", self.peak.describe())
+            return self._mfu(tokens_per_sec)
+        if not self._mfu_dropped:
+            self._mfu_dropped = True
+            log.warning("achieved %.3g FLOP/s per rank exceeds the device peak %s: mfu is left out (null); set "
+                        "metrics.peak_tflops to this device's real peak",
+                        self.flops_per_token * tokens_per_sec / self.world.size, self.peak.describe())
+        return None
 
     def _stop_if_nonfinite(self, before_save: bool) -> None:
-        """Exit 3 when some optimizer step left a non-finite weight (the device-side watch), or,
-        before a save, when any parameter or optimizer tensor is not finite: such state is
-        never written."""
-        first = self.world.min_over_ranks(self.finite.first_bad_step() or _NEVER)
+        """Exit 3 when the watch recorded a non-finite step, or, before a save, when any
+        parameter or optimizer tensor is not finite: such state is never written."""
+        first = self.finite.first()
+        step = self.world.min_over_ranks(first[0] if first else _NEVER)
         ok = True
         if before_save:
             ok = bool(all_finite([*self.model.parameters(), *optimizer_tensors(self.optimizer)]))
-        if first == _NEVER and not self.world.any_rank(not ok):
+        if step == _NEVER and not self.world.any_rank(not ok):
             return
-        when = f"after the update of step {first}" if first != _NEVER else f"by step {self.step}"
-        self._diverged(f"the weights became non-finite {when}, although that step's loss was finite")
+        if first is not None and first[0] == step and first[1] == FiniteWatch.LOSS:
+            what = f"loss is {first[2]} (grad norm {first[3]}) at step {step}; its update was skipped"
+        elif step != _NEVER:
+            what = f"the weights became non-finite after the update of step {step}, although its loss was finite"
+        else:
+            what = f"the state to save at step {self.step} is not finite"
+        self._diverged(what)
 
     def _diverged(self, what: str) -> None:
-        """Raise TrainingDiverged (exit 3) naming what went non-finite, where it first did, and the
-        last good checkpoint, which stays untouched."""
-        first = self.world.min_over_ranks(self.finite.first_bad_step() or _NEVER)
+        """Raise TrainingDiverged (exit 3) naming what went non-finite, where it first did, the
+        first offending tensor, and the last good checkpoint, which stays untouched."""
         names = [n for n in distributed.gather_texts(first_nonfinite(self.model, self.optimizer) or "") if n]
-        detail = f"; first non-finite weights after step {first}" if first != _NEVER and "weights" not in what else ""
-        detail += f"; first non-finite tensor: {names[0]}" if names else ""
+        detail = f"; first non-finite tensor: {names[0]}" if names else ""
         latest = training_state.latest_checkpoint(self.ckpt_root)
         raise TrainingDiverged(
             f"{what}{detail}; stopped without saving. Last good checkpoint: {latest or 'none'}. Lower "

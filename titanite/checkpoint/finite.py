@@ -64,18 +64,36 @@ def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
 
 
 class FiniteWatch:
-    """The first optimizer step after which some parameter was not finite, kept on the device.
+    """The first optimizer step that went non-finite, kept on the device (no host sync).
 
-    `after_step(step, params)` queues the check without a host sync; `first_bad_step()` reads it
-    (a sync): 0 when every checked step left finite weights.
+    `note_update(step, ok, loss, grad_norm)` records a step whose loss or gradient norm was not
+    finite (`ok` False: its update is skipped on the device); `note_weights(step, params)` a step
+    after whose update some weight is not finite. `first()` reads the record (one host sync):
+    None while every step was finite.
     """
 
+    LOSS, WEIGHTS = 1, 2
+
     def __init__(self, device: torch.device) -> None:
-        self._first = torch.zeros((), dtype=torch.int64, device=device)
+        self._step = torch.zeros((), dtype=torch.int64, device=device)
+        self._kind = torch.zeros((), dtype=torch.int64, device=device)
+        self._values = torch.zeros(2, device=device)  # loss and grad norm of that step
 
-    def after_step(self, step: int, params: Iterable[torch.Tensor]) -> None:
-        bad = ~all_finite(params).to(self._first.device)
-        self._first = torch.where(bad & (self._first == 0), torch.full_like(self._first, step), self._first)
+    def _record(self, step: int, bad: torch.Tensor, kind: int, values: torch.Tensor | None = None) -> None:
+        first = bad.to(self._step.device) & (self._step == 0)
+        self._step = torch.where(first, step, self._step)
+        self._kind = torch.where(first, kind, self._kind)
+        if values is not None:
+            self._values = torch.where(first, values.detach().float(), self._values)
 
-    def first_bad_step(self) -> int:
-        return int(self._first)
+    def note_update(self, step: int, ok: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self._record(step, ~ok, self.LOSS, torch.stack([loss.float(), grad_norm.float()]))
+
+    def note_weights(self, step: int, params: Iterable[torch.Tensor]) -> None:
+        self._record(step, ~all_finite(params), self.WEIGHTS)
+
+    def first(self) -> tuple[int, int, float, float] | None:
+        """(step, kind, loss, grad norm) of the first non-finite step, or None."""
+        step, kind, loss, grad_norm = torch.cat([self._step.view(1).double(), self._kind.view(1).double(),
+                                                 self._values.double()]).tolist()
+        return None if step == 0 else (int(step), int(kind), loss, grad_norm)

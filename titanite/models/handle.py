@@ -42,7 +42,8 @@ class TrainOutput:
 
     logits: torch.Tensor | None  # [B, S, V]; None when loss_sum is given
     aux_loss: torch.Tensor | None = None  # already scaled by its coefficient; added to the loss
-    stats: dict[str, float] = field(default_factory=dict)  # telemetry (e.g. expert load), logged
+    # telemetry (e.g. expert load) as 0-dim device tensors, read on the host only when logged
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # fp32 cross-entropy summed over the batch's valid labels, when the model computes it itself
     # (the `loss` kernel op, without materialising the logits); the trainer then skips its own.
     loss_sum: torch.Tensor | None = None

@@ -53,8 +53,9 @@ def load_balancing_loss(records: list[RoutingRecord], num_experts: int) -> torch
     return num_experts * (f * p).sum()
 
 
-def routing_stats(layers: list[tuple[int, RoutingRecord]], balance_loss: torch.Tensor) -> dict[str, float]:
-    """Expert-load telemetry for metrics.jsonl, with one host sync for all layers.
+def routing_stats(layers: list[tuple[int, RoutingRecord]], balance_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Expert-load telemetry for metrics.jsonl, as 0-dim device tensors (no host sync: the
+    trainer reads them with the rest of a logged step).
 
     Per layer i: `moe/layer{i}/max_over_mean`, the busiest expert's rows over the mean rows per
     expert (1 is perfect balance; E/k means all tokens went to the same k experts), and
@@ -63,11 +64,11 @@ def routing_stats(layers: list[tuple[int, RoutingRecord]], balance_loss: torch.T
     unscaled auxiliary loss (k at perfect balance), logged whether or not it is trained on.
     """
     counts = torch.stack([r.counts for _, r in layers]).float()  # [L, E]
-    per_layer = torch.stack([counts.amax(1) / counts.mean(1), (counts == 0).sum(1).float()], dim=1)
-    values = torch.cat([per_layer.flatten(), balance_loss.detach().float().reshape(1)]).tolist()
-    stats = {"moe/max_over_mean": max(values[0:-1:2]), "moe/idle_experts": sum(values[1:-1:2]),
-             "moe/load_balance_loss": values[-1]}
+    max_over_mean = counts.amax(1) / counts.mean(1)  # [L]
+    idle = (counts == 0).sum(1).float()  # [L]
+    stats = {"moe/max_over_mean": max_over_mean.max(), "moe/idle_experts": idle.sum(),
+             "moe/load_balance_loss": balance_loss.detach().float()}
     for n, (i, _) in enumerate(layers):
-        stats[f"moe/layer{i}/max_over_mean"] = values[2 * n]
-        stats[f"moe/layer{i}/idle_experts"] = values[2 * n + 1]
+        stats[f"moe/layer{i}/max_over_mean"] = max_over_mean[n]
+        stats[f"moe/layer{i}/idle_experts"] = idle[n]
     return stats
