@@ -4,14 +4,19 @@ The same ~20M-parameter Qwen3 (hidden 256, 4 layers, 4 query / 2 key-value heads
 768, a 32,000-row vocabulary, untied head) trains on the same batches of 8 x 256 tokens with:
 
 - hand loop: a plain PyTorch loop around transformers' Qwen3ForCausalLM (forward, fp32
-  cross-entropy, backward, clip, AdamW): the floor for framework overhead;
+  cross-entropy, backward, clip, fused AdamW as titanite uses): the floor for framework
+  overhead; and the same loop with foreach AdamW, to show what the fused optimizer is worth;
 - titanite hf: `model.spec = "hf"` through titanite's `Trainer.train_step` (data loader, loss
   normalisation, clipping, NaN check, schedule, optimizer, kernels from `[kernels]`);
 - titanite qwen3: the same with the native model and its default kernels (on CPU: the
-  reference ops, SDPA, and the chunked loss, which recomputes the head matmul in backward
-  to never hold the [tokens, vocab] logits);
-- titanite qwen3, loss = reference: the native model with the loss taken from materialised
-  logits, as transformers and the hand loop do.
+  reference ops, SDPA, and `loss = "auto"`, which picks the plain fused cross-entropy unless one
+  micro-batch's logits would take more than 10% of the device's memory);
+- titanite qwen3, loss = chunked / reference: the two losses `auto` chooses between, explicitly
+  (chunked recomputes the head matmul in backward to never hold the [tokens, vocab] logits);
+- titanite qwen3, host read every step: the default row, but reading the loss and gradient norm
+  on the host after every step, as the trainer did before it kept them on the device between
+  logging steps (on a CPU, where every op already runs synchronously, the two rows should tie;
+  on an accelerator the read drains the queue every step).
 
 All rows start from the same weights (titanite's seeded init, which both backends draw alike;
 the hand loop copies the hf model's) and see the same token windows, so their first losses
@@ -24,7 +29,8 @@ an idle machine the two agree. fp32 runs plain; bf16 is autocast with fp32 weigh
 `training.mixed_precision = "bf16"` does. MFU counts matmul and attention FLOPs (titanite's
 formula) against a 2048^3 GEMM measured here.
 
-    .venv/bin/python benchmarks/backends.py                 # the docs/performance.md table
+    .venv/bin/python benchmarks/backends.py --dtypes fp32   # the docs/performance.md table
+    .venv/bin/python benchmarks/backends.py --dtypes fp32 --preset demo   # configs/demo.toml's shapes
     .venv/bin/python benchmarks/backends.py --dtypes bf16 --rounds 8 --compile
     .venv/bin/python benchmarks/backends.py --dtypes fp32 --profile /tmp/trace   # op tables + traces
 """
@@ -66,7 +72,7 @@ def make_model_folder(root: Path, args: argparse.Namespace) -> Path:
     transformers.Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=4096, tie_word_embeddings=False,
+        head_dim=args.hidden // args.heads, max_position_embeddings=4096, tie_word_embeddings=args.tied,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ).to_json_file(folder / "config.json")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -88,7 +94,7 @@ def titanite_trainer(spec: str, folder: Path, root: Path, dtype: str, args: argp
     overrides = {
         "job.output_dir": root / f"{spec}-{dtype}-{len(list(root.iterdir()))}", "model.spec": spec,
         "model.hf_path": folder, "parallelism.compile": str(args.compile).lower(), **extra,
-        "model.init": "random", "data.path": root / "data.jsonl", "data.seq_len": args.seq_len,
+        "model.init": "random", "data.path": folder.parent / "data.jsonl", "data.seq_len": args.seq_len,
         "training.batch_size": args.batch_size, "training.steps": 10**6, "training.lr": 1e-4,
         "training.mixed_precision": "bf16" if dtype == "bf16" else "none",
         "metrics.peak_tflops": 1.0, "metrics.progress_bar": "off", "checkpoint.export_hf": False,
@@ -99,19 +105,21 @@ def titanite_trainer(spec: str, folder: Path, root: Path, dtype: str, args: argp
 class HandLoop:
     """The floor: transformers' model in the plainest correct training loop."""
 
-    def __init__(self, weights_from: Trainer, dtype: str) -> None:
+    def __init__(self, weights_from: Trainer, dtype: str, fused: bool = True) -> None:
         config = weights_from.model.hf.config
         self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                                    dtype=torch.float32)
         self.model.load_state_dict(weights_from.model.hf.state_dict())
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95),
-                                     weight_decay=0.1, foreach=True)
+        # The same AdamW implementation as titanite's (fused), so the rows differ by the loop only;
+        # the foreach row shows what the fused optimizer itself is worth.
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                     **({"fused": True} if fused else {"foreach": True}))
         self.autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
                          else contextlib.nullcontext())
         self.loader = copy.deepcopy(weights_from.loader)  # the same windows, in the same order
 
-    def train_step(self) -> tuple[float, float]:
+    def train_step(self):
         b = self.loader.next_batch()
         with self.autocast:
             logits = self.model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
@@ -120,14 +128,20 @@ class HandLoop:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach()), float(norm)
+        values = (float(loss.detach()), float(norm))
+        return lambda: values
 
 
-def titanite_step(trainer: Trainer):
-    def step() -> tuple[float, float]:
+def titanite_step(trainer: Trainer, read_every_step: bool = False):
+    """One trainer step. Without read_every_step the numbers stay on the device, as on the
+    trainer's non-logging steps; the returned closure reads them for the first-loss check."""
+    def step():
         out = trainer.train_step()
         trainer.step += 1
-        return out
+        if read_every_step:
+            values = out.read()
+            return lambda: (values["loss"], values["grad_norm"])
+        return lambda: tuple(out.read()[k] for k in ("loss", "grad_norm"))
     return step
 
 
@@ -139,14 +153,32 @@ def time_step(step) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def build_rows(folder: Path, root: Path, dtype: str, args: argparse.Namespace) -> tuple[dict, Trainer]:
-    hf = titanite_trainer("hf", folder, root, dtype, args)
-    native = titanite_trainer("qwen3", folder, root, dtype, args)
-    native_ref = titanite_trainer("qwen3", folder, root, dtype, args, **{"kernels.loss": "reference"})
-    rows = {"hand loop": HandLoop(hf, dtype).train_step, "titanite hf": titanite_step(hf),
-            "titanite qwen3": titanite_step(native),
-            "titanite qwen3, loss = reference": titanite_step(native_ref)}
-    return rows, native
+ROWS = ("hand loop", "hand loop, foreach AdamW", "titanite hf", "titanite qwen3", "titanite qwen3, loss = chunked",
+        "titanite qwen3, loss = reference", "titanite qwen3, host read every step")
+
+
+def build_row(name: str, folder: Path, root: Path, dtype: str, args: argparse.Namespace):
+    """The step function of one row (the hand loops copy the weights of a titanite hf model)."""
+    if name.startswith("hand loop"):
+        return HandLoop(titanite_trainer("hf", folder, root, dtype, args), dtype, fused="foreach" not in name).train_step
+    if name == "titanite hf":
+        return titanite_step(titanite_trainer("hf", folder, root, dtype, args))
+    extra = {"kernels.loss": name.rsplit(" ", 1)[-1]} if "loss =" in name else {}
+    return titanite_step(titanite_trainer("qwen3", folder, root, dtype, args, **extra),
+                         read_every_step=name.endswith("every step"))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One row in this process: its first loss, then `--steps` timed steps (JSON on stdout)."""
+    torch.set_num_threads(args.threads)
+    logging.getLogger("titanite").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        step = build_row(args.worker, Path(args.folder), Path(tmp), args.dtypes[0], args)
+        first = step()()
+        for _ in range(args.warmup - 1):
+            step()
+        times = [time_step(step) for _ in range(args.steps)]
+    print(json.dumps({"first_loss": first[0], "wall": [w for w, _ in times], "cpu": [c for _, c in times]}))
 
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, tries: int = 5) -> tuple[float, float]:
@@ -158,57 +190,69 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048, tries: int = 5) -> tuple[float,
 
 
 def run(args: argparse.Namespace) -> None:
+    """Every row in fresh processes, rounds interleaved: a process that ran another row first has
+    another heap (allocator state decides how often large tensors fault their pages in on CPU),
+    which made rows of one config differ by 2x in-process."""
+    import subprocess
+
     torch.set_num_threads(args.threads)
-    logging.getLogger("titanite").setLevel(logging.WARNING)
     tokens = args.batch_size * args.seq_len
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         folder = make_model_folder(root, args)
         for dtype in args.dtypes:
-            rows, native = build_rows(folder, root, dtype, args)
-            first = {name: step() for name, step in rows.items()}  # the same first window: equal losses
-            for name, step in rows.items():
-                for _ in range(args.warmup - 1):
-                    step()
-            per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
-            names = list(rows)
+            names = [name for name in ROWS if not args.rows or name in args.rows]
+            per_row: dict[str, dict] = {name: {"wall": [], "cpu": []} for name in names}
             for r in range(args.rounds):
-                # Rotated each round, so no row always runs first (or right after the same row).
                 for name in names[r % len(names):] + names[:r % len(names)]:
-                    per_round[name].append(time_step(rows[name]))
+                    argv = [sys.executable, __file__, "--worker", name, "--folder", str(folder), "--dtypes", dtype,
+                            *args.passthrough]
+                    out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True)
+                                     .stdout.strip().splitlines()[-1])
+                    per_row[name]["first_loss"] = out["first_loss"]
+                    per_row[name]["wall"] += out["wall"]
+                    per_row[name]["cpu"] += out["cpu"]
             peak, cpu_peak = gemm_peak(DTYPES[dtype])
-            fpt = flops_per_token(native.model.args, args.seq_len)
-            n_params = sum(p.numel() for p in native.model.parameters())
-            for name in rows:
-                t = min(w for w, _ in per_round[name])
-                cpu_t = min(c for _, c in per_round[name])
+            probe = titanite_trainer("qwen3", folder, root, dtype, args)
+            fpt = flops_per_token(probe.model.args, args.seq_len)
+            n_params = sum(p.numel() for p in probe.model.parameters())
+            probe.close()
+            for name, v in per_row.items():
+                t, cpu_t = min(v["wall"]), min(v["cpu"])
                 results[(dtype, name)] = {
                     "s_per_step": t, "tokens_per_sec": tokens / t, "mfu": fpt * tokens / t / peak,
                     "cpu_s_per_step": cpu_t, "tokens_per_cpu_s": tokens / cpu_t,
-                    "mfu_cpu": fpt * tokens / cpu_t / cpu_peak, "first_loss": first[name][0]}
+                    "mfu_cpu": fpt * tokens / cpu_t / cpu_peak, "first_loss": v["first_loss"]}
             report(dtype, results, n_params, (peak, cpu_peak), args)
 
 
 def report(dtype: str, results: dict, n_params: int, peaks: tuple[float, float], args: argparse.Namespace) -> None:
     r = {name: v for (d, name), v in results.items() if d == dtype}
-    hand, hf, native = r["hand loop"], r["titanite hf"], r["titanite qwen3"]
+    first_row = next(iter(r.values()))
     print(f"\n{dtype}: {n_params / 1e6:.1f}M parameters, batch {args.batch_size} x {args.seq_len}, "
-          f"{args.threads} thread(s), fastest of {args.rounds} rounds, 2048^3 GEMM peak "
+          f"{args.threads} thread(s), fastest step of {args.rounds} processes x {args.steps} steps per row, 2048^3 GEMM peak "
           f"{peaks[0] / 1e9:.0f} GFLOP/s (wall), {peaks[1] / 1e9:.0f} GFLOP/s (CPU time)"
           f"{', blocks compiled' if args.compile else ''}")
-    print("| row | wall s/step | tokens/s | MFU | CPU s/step | tokens/CPU-s | MFU (CPU) | vs hand loop (CPU) "
+    print(f"| row | wall s/step | tokens/s | MFU | CPU s/step | tokens/CPU-s | MFU (CPU) | vs {'hand loop' if 'hand loop' in r else 'first row'} (CPU) "
           "| first loss |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, v in r.items():
         print(f"| {name} | {v['s_per_step']:.2f} | {v['tokens_per_sec']:,.0f} | {100 * v['mfu']:.1f}% | "
               f"{v['cpu_s_per_step']:.2f} | {v['tokens_per_cpu_s']:,.0f} | {100 * v['mfu_cpu']:.1f}% | "
-              f"{hand['cpu_s_per_step'] / v['cpu_s_per_step']:.3f}x | {v['first_loss']:.6f} |")
-    native_ref = r["titanite qwen3, loss = reference"]
+              f"{r.get('hand loop', first_row)['cpu_s_per_step'] / v['cpu_s_per_step']:.3f}x | {v['first_loss']:.6f} |")
+    if set(ROWS) - set(r):  # a --rows subset: the table only (ratios against its first row)
+        sys.stdout.flush()
+        return
+    hand, hf, native = r["hand loop"], r["titanite hf"], r["titanite qwen3"]
+    chunked, reference = r["titanite qwen3, loss = chunked"], r["titanite qwen3, loss = reference"]
+    synced = r["titanite qwen3, host read every step"]
     for what, key in (("wall", "s_per_step"), ("CPU", "cpu_s_per_step")):
         print(f"{what} time: titanite hf overhead over the hand loop {100 * (hf[key] / hand[key] - 1):+.1f}% "
-              f"(target <= 3%); native / hf speed {hf[key] / native[key]:.2f}x, with loss = reference "
-              f"{hf[key] / native_ref[key]:.2f}x (target >= 1.3x in bf16)")
+              f"(target <= 3%); native / hf speed {hf[key] / native[key]:.2f}x (target >= 1.3x in bf16); "
+              f"loss = auto vs the faster of chunked and reference "
+              f"{min(chunked[key], reference[key]) / native[key]:.3f}x (target >= 0.98); no host read vs "
+              f"a read every step {synced[key] / native[key]:.3f}x")
     sys.stdout.flush()
 
 
@@ -237,8 +281,13 @@ def profile(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--rounds", type=int, default=4,
-                   help="timed rounds, each one step of every row, in an order rotated per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each one fresh process per row, in an order rotated per round")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    p.add_argument("--rows", nargs="+", default=[], choices=ROWS, metavar="ROW",
+                   help="only these rows (the summary lines need the hand loop, hf and all native rows)")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per row first (the first is also "
                                                           "the loss check)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -249,13 +298,27 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tied", action="store_true", help="tie the head to the embedding")
+    p.add_argument("--preset", choices=("demo",), help="demo: configs/demo.toml's model and batch (the debug "
+                                                       "flavor: hidden 128, 4 layers, 151,936 tied vocab, 4 x 256)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (default 1: on a shared machine, idle OpenMP threads spin "
                         "and inflate CPU time; one thread's CPU time is the steady measure)")
     p.add_argument("--compile", action="store_true", help="parallelism.compile = true for the titanite rows")
     p.add_argument("--profile", default="", help="instead of the table: profile native and hf, "
                                                  "write Chrome traces next to this path")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    args = p.parse_args(argv)
+    # What a worker process needs to rebuild the same rows: every option but the dtypes.
+    args.passthrough = [a for a in argv if not a.startswith("--dtypes") and a not in DTYPES]
+    # workers take their one row from --worker
+    args.passthrough = [a for a in args.passthrough if a != "--rows" and a not in ROWS]
+    if args.preset == "demo":
+        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 128, 384, 4, 4, 2
+        args.vocab, args.tied, args.batch_size, args.seq_len = 151936, True, 4, 256
+    if args.worker:
+        worker(args)
+        return
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
     if args.profile:

@@ -113,7 +113,7 @@ def stop_after(trainer, steps: int) -> list[float]:
     Returns the losses of those steps."""
     head = []
     for _ in range(steps):
-        head.append(trainer.train_step()[0])
+        head.append(trainer.train_step().read()["loss"])
         trainer.step += 1
     trainer._save()
     trainer.close()

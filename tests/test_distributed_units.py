@@ -151,8 +151,9 @@ def _measured(args: Qwen3Args, mode: str, batch: int, seq: int) -> dict[str, int
 def test_estimate_matches_measured_memory(args, mode):
     batch, seq = 2, 64
     measured = _measured(args, mode, batch, seq)
+    # The measured model runs its call sites' defaults, the chunked loss among them.
     cfg = load_config(None, [f"--parallelism.activation_checkpoint={mode}", f"--training.batch_size={batch}",
-                             f"--data.seq_len={seq}"])
+                             f"--data.seq_len={seq}", "--kernels.loss=chunked"])
     e = estimate(cfg, 1, args)
     assert e.params == measured["params"]
     assert e.grads == measured["grads"]
@@ -161,7 +162,7 @@ def test_estimate_matches_measured_memory(args, mode):
     assert e.activations == pytest.approx(measured["activations"], rel=0.02)
     if mode != "none":
         assert e.recompute > 0 and e.activations < estimate(load_config(None, [
-            f"--training.batch_size={batch}", f"--data.seq_len={seq}"]), 1, args).activations
+            f"--training.batch_size={batch}", f"--data.seq_len={seq}", "--kernels.loss=chunked"]), 1, args).activations
 
 
 @pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])

@@ -90,7 +90,7 @@ def test_aux_loss_and_its_gradients_match_transformers(tmp_path):
     out = handle_of(ours).forward_train(batch)
     assert out.aux_loss is not None
     assert abs(out.aux_loss.item() - 0.05 * hf_out.aux_loss.item()) <= 1e-7
-    assert out.stats["moe/load_balance_loss"] == pytest.approx(hf_out.aux_loss.item(), rel=1e-6)
+    assert out.stats["moe/load_balance_loss"].item() == pytest.approx(hf_out.aux_loss.item(), rel=1e-6)
     ce = mean_cross_entropy(out, batch)
     assert abs((ce + out.aux_loss).item() - hf_out.loss.item()) <= TOL
     (ce + out.aux_loss).backward()
@@ -112,7 +112,7 @@ def test_load_telemetry_matches_transformers_router(tmp_path):
     ids = token_ids((2, 6))
     with torch.no_grad():
         router_logits = hf(ids, output_router_logits=True).router_logits  # MoE layers 1 and 3
-        stats = handle_of(ours).forward_train(train_batch(ids)).stats
+        stats = {k: v.item() for k, v in handle_of(ours).forward_train(train_batch(ids)).stats.items()}
     for layer, logits in zip((1, 3), router_logits, strict=True):
         counts = torch.bincount(logits.topk(2, dim=-1).indices.flatten(), minlength=8).float()
         assert stats[f"moe/layer{layer}/max_over_mean"] == pytest.approx((counts.max() / counts.mean()).item())

@@ -177,6 +177,33 @@ def test_2_nonfinite_weights_are_never_saved(tmp_path, capsys, reference, monkey
     assert losses(out) == want
 
 
+def test_2_nonfinite_loss_between_log_steps_skips_its_update_on_the_device(tmp_path, reference, monkeypatch):
+    """A NaN loss on a step that is not logged is not read there: its update is skipped on the
+    device (weights stay finite), and the next log step stops the run, naming the first step."""
+    from titanite.config import load_config
+    from titanite.errors import TrainingDiverged
+    from titanite.trainer import Trainer
+
+    hf, data, _ = reference
+    real, seen = Trainer._forward, {"n": 0}
+
+    def poisoned(self, batch):
+        seen["n"] += 1
+        out, loss = real(self, batch)
+        return out, (loss * float("nan") if seen["n"] == 3 else loss)
+
+    monkeypatch.setattr(Trainer, "_forward", poisoned)
+    trainer = Trainer(load_config(None, tiny_train_args(hf, data, tmp_path / "run", steps=6, **{
+        "metrics.log_interval": 4, "checkpoint.interval": 2})))
+    with pytest.raises(TrainingDiverged, match=r"loss is nan .* at step 3; its update was skipped.*step-2"):
+        trainer.train()
+    assert trainer.step == 4  # ran on to the logging step
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    steps = {float(s["step"]) for s in trainer.optimizer.state.values()}
+    assert steps == {3.0}  # steps 1, 2 and 4 were applied, 3 was not
+    assert [s for s, _ in training_state.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+
+
 def test_2_infinite_lr_is_refused_before_any_work(tmp_path, capsys, reference):
     hf, data, _ = reference
     out = tmp_path / "run"
