@@ -173,6 +173,9 @@ LAYOUTS = {
     "hf_hsdp": ("dense", 4, {"model.spec": "hf", "parallelism.dp_replicate": 2,
                              "parallelism.activation_checkpoint": "full"}),
     "hf_tp_tied_head": ("tied", 2, {"model.spec": "hf", "parallelism.tp": 2}),
+    # transformers' experts through the native EP code: 2 ways by EP, then 2 ways by FSDP
+    "hf_ep": ("moe", 2, {"model.spec": "hf", "parallelism.ep": 2}),
+    "hf_fsdp_ep": ("moe", 4, {"model.spec": "hf", "parallelism.ep": 2, "parallelism.activation_checkpoint": "selective"}),
 }
 
 

@@ -199,3 +199,28 @@ def test_estimate_command_names_a_layout_error(tiny_hf, capsys):
 
     assert main(["estimate", f"--model.hf_path={tiny_hf}", "--world-size=4", "--parallelism.tp=3"]) == 2
     assert "does not divide the world size 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["hf", "qwen3"])
+def test_estimate_and_training_accept_the_same_expert_parallel_layouts(tmp_path, tiny_hf, spec):
+    """ep on a transformers-written MoE checkpoint (its config.json says num_local_experts) is
+    accepted by both backends' estimate and training preflight; ep on a dense one and ep that
+    does not divide the experts are refused by both with the same message."""
+    from tests.conftest import make_hf_checkpoint
+    from titanite.models.spec import get_spec
+    from titanite.preflight import check_layout
+
+    moe = make_hf_checkpoint(tmp_path / "moe", **TINY_MOE)
+    cases = {(moe, 2): None, (tiny_hf, 2): "is dense", (moe, 8): r"parallelism.ep \(8\) must divide num_experts \(4\)"}
+    for (folder, ep), error in cases.items():
+        cfg = load_config(None, [f"--model.hf_path={folder}", f"--model.spec={spec}", f"--parallelism.ep={ep}"])
+        dims = ParallelDims.resolve(cfg.parallelism, 8)
+        handle = get_spec(spec).build(cfg.model)
+        if error is None:
+            check_layout(dims, handle)  # what training runs before any work
+            assert estimate(cfg, 8).params > 0
+            continue
+        with pytest.raises(UserError, match=error):
+            check_layout(dims, handle)
+        with pytest.raises(UserError, match=error):
+            estimate(cfg, 8)

@@ -163,11 +163,13 @@ def test_moe_aux_loss_follows_config_json_and_is_reported(tmp_path, tiny_tokeniz
     # Unit: the scaled aux loss is transformers' own load-balancing loss times the coefficient.
     model = titanite.load_pretrained(on, spec="hf")
     x = ids((2, 24))
-    batch = {"input_ids": x, "position_ids": torch.arange(24).expand(2, -1)}
+    labels = torch.roll(x, -1, dims=1)
+    batch = {"input_ids": x, "position_ids": torch.arange(24).expand(2, -1), "labels": labels}
     out = handle_of(model).forward_train(batch)
     ref = transformers_model(on)(x, output_router_logits=True)
     assert torch.allclose(out.aux_loss, 0.05 * ref.aux_loss, rtol=1e-5)
-    assert (out.logits - ref.logits).abs().max().item() <= 1e-5
+    ref_loss = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    assert out.logits is None and torch.allclose(out.loss_sum, ref_loss, rtol=1e-6)
     assert handle_of(titanite.load_pretrained(off, spec="hf")).forward_train(batch).aux_loss is None
     # In training: reported beside the loss, never inside it, and only when config.json asks.
     train(tiny_train_args(on, tiny_data, tmp_path / "run_on", steps=2, **{"model.spec": "hf"}))

@@ -93,41 +93,98 @@ def test_chunked_loss_never_holds_the_logits():
     assert peaks["chunked"] < logits / 4, peaks
 
 
+HF_ARCHS = {
+    "dense_untied": dict(tie_word_embeddings=False),
+    # sparse, dense, sparse layers; tied head
+    "moe_mixed_tied": dict(TINY_MOE, num_hidden_layers=3, mlp_only_layers=[1], tie_word_embeddings=True),
+}
+
+
 @pytest.mark.parametrize("packed", [False, True])
-def test_transformers_backend_runs_titanite_attention_and_experts(tmp_path, scratch_impls, packed):
-    """A transformers Qwen3-MoE with titanite's ops installed gives transformers' own logits and
-    gradients (eager experts, SDPA attention), whole sequences and packed documents alike; the
-    registered kernels are the ones that ran."""
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_transformers_backend_runs_every_titanite_op(tmp_path, scratch_impls, arch, packed):
+    """A transformers Qwen3 / Qwen3-MoE with titanite's call sites installed gives unmodified
+    transformers' logits, loss and gradients (the loss from the hidden states and the head
+    weight, the MoE auxiliary loss from the `moe.router` records), whole sequences and packed
+    documents alike; every op's registered kernel ran, at each of its call sites."""
     import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from titanite.kernels.hf import install
     from titanite.kernels import block_causal_mask
+    from titanite.kernels.hf import install, labels
+    from titanite.models.moe_stats import load_balancing_loss
 
-    folder = make_hf_checkpoint(tmp_path / "moe", **TINY_MOE)
+    folder = make_hf_checkpoint(tmp_path / arch, **HF_ARCHS[arch])
     ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
                                                                experts_implementation="eager")
+    cfg = theirs.config
+    moe = hasattr(cfg, "num_experts")
     calls: list[str] = []
-    for op in ("attention", "moe.dispatch", "moe.experts"):
+    for op in registry.OPS:
         counting(op, f"scratch_counting_{op}", scratch_impls, calls)
     install(ours)
-    bound = kernels.attach(ours, {op: f"scratch_counting_{op}" for op in ("attention", "moe.dispatch", "moe.experts")},
-                           "cpu", torch.float32)
-    assert bound["model.layers.0.self_attn.attention"] == "attention:scratch_counting_attention"
-    assert bound["model.layers.1.mlp.experts.experts_kernel"] == "moe.experts:scratch_counting_moe.experts"
+    bound = kernels.attach(ours, {op: f"scratch_counting_{op}" for op in registry.OPS}, "cpu", torch.float32)
+    assert set(bound.values()) == {f"{op}:scratch_counting_{op}" for op in registry.OPS if moe or "moe" not in op}
+    assert bound["model.layers.0.self_attn.q_norm.kernel"] == "rms_norm:scratch_counting_rms_norm"
+    assert bound["lm_head.loss"] == "loss:scratch_counting_loss"
     ids = torch.randint(0, TINY_VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
+    target = labels_for(ids)
     kw = {}
     if packed:
         docs = torch.tensor([[0] * 5 + [1] * 8, [0] * 2 + [1] * 1 + [2] * 10])
         kw = {"attention_mask": block_causal_mask(docs),
               "position_ids": torch.cat([torch.arange(n) for n in (5, 8, 2, 1, 10)]).view(2, 13)}
-    g = torch.randn(2, 13, TINY_VOCAB, generator=torch.Generator().manual_seed(3))
-    outs = []
-    for model in (ours, theirs):
-        logits = model(ids, **kw).logits
-        (logits * g).sum().backward()
-        outs.append((logits, {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
-    for name, grad in outs[0][1].items():
-        torch.testing.assert_close(grad, outs[1][1][name], rtol=1e-4, atol=1e-5, msg=name)
-    assert [calls.count(f"scratch_counting_{op}") for op in ("attention", "moe.dispatch", "moe.experts")] == [2, 2, 2]
+    torch.testing.assert_close(ours(ids, **kw).logits, theirs(ids, **kw).logits, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    with labels(target):
+        loss = ours(ids, **kw).logits
+    # The base model, then the head: transformers' CausalLM cannot pool its aux loss under a 4-D mask.
+    out = theirs.model(ids, output_router_logits=moe, **kw)
+    logits = theirs.lm_head(out.last_hidden_state)
+    ref = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
+    if moe:
+        records = [m.last_routing for m in ours.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+        aux = load_balancing_loss(records, cfg.num_experts)
+        ref_aux = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+        torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=1e-7)
+        loss, ref = loss + 3.0 * aux, ref + 3.0 * ref_aux
+    loss.backward()
+    ref.backward()
+    theirs_grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    layers = cfg.num_hidden_layers
+    sparse = [i for i in range(layers) if moe and i not in cfg.mlp_only_layers]
+    expected = {"attention": layers, "rms_norm": 4 * layers + 1, "rope": layers, "swiglu": layers - len(sparse),
+                "moe.router": len(sparse), "moe.dispatch": len(sparse), "moe.experts": len(sparse), "loss": 1}
+    assert {op: calls.count(f"scratch_counting_{op}") for op in registry.OPS} == expected
+
+
+@pytest.mark.parametrize("spec", ["hf", "qwen3"])
+def test_verify_runs_each_implementation_through_the_model_call_sites(spec, scratch_impls):
+    """`titanite kernels verify --spec` binds each implementation at its op's call sites in a
+    real model of the backend: every built-in that runs here passes in fp32 and bf16, a kernel
+    that was called counts its calls, and a wrong one fails."""
+    from titanite.kernels.call_sites import verify_call_sites
+
+    calls: list[str] = []
+    counting("swiglu", "scratch_counting_swiglu", scratch_impls, calls)
+
+    def rope_unrotated(q, k, cos, sin):
+        return q * 1.0, k * 1.0
+
+    rope_unrotated.__signature__ = registry.signature("rope")
+    kernels.register("rope", "scratch_no_rotation")(rope_unrotated)
+    scratch_impls.append(("rope", "scratch_no_rotation"))
+    rows = verify_call_sites(spec, dtypes=[torch.float32, torch.bfloat16])
+    result = {(r.op, r.impl, r.dtype): r.status for r in rows}
+    ran = {k: v for k, v in result.items() if v != "skip"}
+    assert ran.pop(("rope", "scratch_no_rotation", "float32")) == "FAIL"
+    assert ran.pop(("rope", "scratch_no_rotation", "bfloat16")) == "FAIL"
+    assert set(ran.values()) == {"pass"}, ran
+    for key in [("moe.experts", "grouped_mm", "bfloat16"),
+                ("loss", "chunked", "float32"), ("attention", "sdpa", "bfloat16"), ("moe.dispatch", "gather", "float32")]:
+        assert key in ran, key
+    assert calls.count("scratch_counting_swiglu") == 2  # the one dense layer, once per dtype

@@ -3,6 +3,7 @@ kernel plugin verifies and trains, attached by config alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -18,21 +19,66 @@ EXAMPLE = "examples/custom_kernel/titanite_example_kernels"
 
 
 def test_seed_configs_share_one_structure():
-    """Same sections and keys in the three setups and their tiny variants, differing in values;
-    the full-size ones are the published Qwen3 checkpoints, bf16."""
+    """The three setups have the same sections and the same keys in each, differing in values
+    (the full-size ones among themselves, the tiny ones among themselves); seed-hf and
+    seed-native differ in model.spec alone. The full-size ones are the published Qwen3
+    checkpoints, bf16."""
     configs = {name: tomllib.loads((REPO / "configs" / f"{name}.toml").read_text())
                for seed in SEEDS for name in (seed, f"{seed}-tiny")}
-    structure = {section: set(table) - {"plugins"} for section, table in configs["seed-hf"].items()}
-    for name, cfg in configs.items():
-        got = {section: set(table) for section, table in cfg.items()}
-        for section in structure:
-            assert section in got, (name, section)
-    assert configs["seed-hf"]["model"]["spec"] == "hf"
+    for variant in ("", "-tiny"):
+        group = {seed: configs[seed + variant] for seed in SEEDS}
+        keys = {seed: {section: set(table) for section, table in cfg.items()} for seed, cfg in group.items()}
+        assert keys["seed-hf"] == keys["seed-native"] == keys["seed-moe-kernels"], keys
+        hf, native = (dict(group[s]) for s in ("seed-hf", "seed-native"))
+        for cfg in (hf, native):
+            cfg["job"], cfg["model"] = {**cfg["job"], "output_dir": ""}, {**cfg["model"], "spec": ""}
+        assert hf == native, variant
+    assert configs["seed-hf"]["model"]["spec"] == configs["seed-hf-tiny"]["model"]["spec"] == "hf"
     assert configs["seed-native"]["model"]["spec"] == configs["seed-moe-kernels"]["model"]["spec"] == "qwen3"
     assert configs["seed-moe-kernels"]["kernels"]["moe.experts"] == "triton"
     assert configs["seed-moe-kernels"]["kernels"]["plugins"] == [EXAMPLE]
     for seed in SEEDS:
         assert configs[seed]["training"]["mixed_precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_every_tiny_seed_trains_under_both_specs_with_one_key_changed(tmp_path, monkeypatch):
+    """Each tiny seed config, as written and with only model.spec flipped: the same loss at every
+    step (both backends draw the same initial weights for the seed; within the backend-parity
+    tolerance, 1e-4 relative) and the user's plugin kernel called the same number of times."""
+    import importlib
+
+    from titanite.config import load_config
+    from titanite.kernels import registry
+    from titanite.trainer import Trainer
+
+    monkeypatch.syspath_prepend(str(REPO / "examples" / "custom_kernel"))
+    importlib.import_module("titanite_example_kernels")  # registered once; the trainer's import is a no-op
+    impl = registry.get("rms_norm", "example_rms_norm")
+    calls = [0]
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return impl.fn(*args, **kw)
+
+    counted.__signature__ = registry.signature("rms_norm")
+    monkeypatch.setitem(registry._IMPLS["rms_norm"], "example_rms_norm", dataclasses.replace(impl, fn=counted))
+    for seed in SEEDS:
+        losses, counts = {}, {}
+        for spec in ("hf", "qwen3"):
+            calls[0] = 0
+            out = tmp_path / f"{seed}-{spec}"
+            cfg = load_config(str(REPO / "configs" / f"{seed}-tiny.toml"),
+                              [f"--model.spec={spec}", f"--job.output_dir={out}", "--metrics.progress_bar=off"])
+            trainer = Trainer(cfg)
+            trainer.train()
+            trainer.close()
+            losses[spec] = [r["loss"] for r in read_metrics(out)]
+            counts[spec] = calls[0]
+        assert len(losses["hf"]) == len(losses["qwen3"]) == 3, seed
+        for a, b in zip(losses["hf"], losses["qwen3"]):
+            assert abs(a - b) <= 1e-4 * abs(b), (seed, losses)
+        assert counts["hf"] == counts["qwen3"] > 0, (seed, counts)
 
 
 @pytest.mark.slow
@@ -56,6 +102,9 @@ def test_tiny_seed_setups_train(tmp_path):
         assert all(math.isfinite(r["loss"]) for r in rows)
         assert (tmp_path / seed / "hf" / "config.json").is_file()
     assert "kernel attention:sdpa: hf.model.layers.[0-3].self_attn.attention" in logs["seed-hf"]
+    assert ("kernel rms_norm:example_rms_norm: hf.model.layers.[0-3].self_attn.q_norm.kernel, "
+            "hf.model.layers.[0-3].self_attn.k_norm.kernel") in logs["seed-hf"]
+    assert "kernel loss:chunked: hf.lm_head.loss" in logs["seed-hf"]
     assert "kernel loss:chunked: loss" in logs["seed-native"]
     moe = logs["seed-moe-kernels"]
     assert ("kernel rms_norm:example_rms_norm: layers.[0-3].attention.q_norm.kernel, "

@@ -43,6 +43,7 @@ from titanite.data.tokenizer import Tokenizer, load_tokenizer
 from titanite.errors import UserError
 from titanite.files import check_writable_folder, require_regular
 from titanite.models.handle import ModelHandle
+from titanite.models.qwen3.args import to_hf_config
 from titanite.models.spec import get_spec
 from titanite.parallel.mesh import ParallelDims
 from titanite.runlock import check_free
@@ -126,7 +127,9 @@ def choose_loss(cfg: Config, handle: ModelHandle, device: torch.device, quiet: b
 
 def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
     """The parallel degrees against the architecture and what the backend can shard."""
-    dims.check_model(handle.hf_config())
+    # titanite's reading of the architecture, in config.json's standard names: a checkpoint's
+    # own file may spell them otherwise (transformers 5 writes num_local_experts).
+    dims.check_model(to_hf_config(handle.args))
     if dims.ep > 1 and not handle.supports_expert_parallel:
         raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
                         f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "

@@ -88,14 +88,27 @@ def _matches(glob: str, site: str, module_fqn: str) -> bool:
 
 
 def attach(model: nn.Module, select: dict[str, str], device_type: str, dtype: torch.dtype,
-           fallback: bool = False) -> dict[str, str]:
+           fallback: bool = False, alias: Callable[[str], str] | None = None) -> dict[str, str]:
     """Bind every kernel call site of `model`; returns {call-site FQN: "op:implementation"}.
 
     select: the `[kernels]` table's op / FQN-glob keys -> implementation names. dtype: the
-    compute dtype (bf16 under bf16 autocast). Raises UserError for an unknown op or
-    implementation, a glob that binds nothing, or (without fallback) a choice that cannot run.
+    compute dtype (bf16 under bf16 autocast). alias: a second name for each site and module
+    FQN that globs also match (the transformers backend gives the native model's names, so a
+    glob written for either model selects the same places in both). Raises UserError for an
+    unknown op or implementation, a glob that binds nothing, or (without fallback) a choice
+    that cannot run.
     """
     sites = list(iter_kernels(model))
+    if alias is not None:
+        names = {s: (alias(s), alias(m)) for s, m, _ in sites}
+        plain = _matches
+
+        def _matches_either(glob: str, site: str, module_fqn: str) -> bool:
+            return plain(glob, site, module_fqn) or plain(glob, *names[site])
+
+        matches = _matches_either
+    else:
+        matches = _matches
     op_keys = {k: v for k, v in select.items() if k in registry.OPS}
     globs = {k: v for k, v in select.items() if k not in registry.OPS}
     for op, name in op_keys.items():
@@ -106,7 +119,7 @@ def attach(model: nn.Module, select: dict[str, str], device_type: str, dtype: to
     for site, module_fqn, kernel in sites:
         key = None
         for glob, name in globs.items():
-            if _matches(glob, site, module_fqn) and name in registry.implementations(kernel.op):
+            if matches(glob, site, module_fqn) and name in registry.implementations(kernel.op):
                 key = glob
                 glob_hits[glob] += 1
         if key is None and kernel.op in op_keys:
@@ -123,13 +136,13 @@ def attach(model: nn.Module, select: dict[str, str], device_type: str, dtype: to
         bound[site] = f"{kernel.op}:{impl.name}"
     for glob, hits in glob_hits.items():
         if not hits:
-            _unused_glob(glob, globs[glob], sites)
+            _unused_glob(glob, globs[glob], sites, matches)
     _log_bindings(bound)
     return bound
 
 
-def _unused_glob(glob: str, name: str, sites: list[tuple[str, str, Kernel]]) -> None:
-    matched = [(s, k.op) for s, m, k in sites if _matches(glob, s, m)]
+def _unused_glob(glob: str, name: str, sites: list[tuple[str, str, Kernel]], matches: Callable) -> None:
+    matched = [(s, k.op) for s, m, k in sites if matches(glob, s, m)]
     ops = ", ".join(registry.OPS)
     if not matched:
         examples = ", ".join(s for s, _, _ in sites[:6])

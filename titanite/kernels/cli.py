@@ -90,13 +90,22 @@ def run_verify(argv: list[str]) -> int:
     parser.add_argument("op", nargs="?", help="one op (default: all)")
     parser.add_argument("--impl", help="only this implementation (default: all but the reference)")
     parser.add_argument("--dtype", nargs="*", choices=list(_DTYPES), help="dtypes (default: all three)")
+    parser.add_argument("--spec", choices=("hf", "qwen3"),
+                        help="run each implementation through this backend's model call sites (one training "
+                             "forward and backward of a small MoE) instead of on the op's own test cases")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     _common(parser)
     args = parser.parse_args(argv)
     device = _setup(args)
-    rows = verify(_ops(args.op), args.impl, device, [_dtype(d) for d in args.dtype] if args.dtype else None,
-                  progress=_progress)
-    print(f"titanite kernels verify on {device}\n")
+    dtypes = [_dtype(d) for d in args.dtype] if args.dtype else None
+    if args.spec:
+        from titanite.kernels.call_sites import verify_call_sites
+
+        rows = verify_call_sites(args.spec, _ops(args.op), args.impl, device, dtypes, progress=_progress)
+    else:
+        rows = verify(_ops(args.op), args.impl, device, dtypes, progress=_progress)
+    where = f" through the {args.spec} model's call sites" if args.spec else ""
+    print(f"titanite kernels verify on {device}{where}\n")
     print(format_table(rows))
     _write_json(args.json, rows)
     return 1 if any(r.status == "FAIL" for r in rows) else 0

@@ -1,35 +1,63 @@
-"""The registry's kernels inside a transformers model (`model.spec = "hf"`).
+"""The registry's kernels inside a transformers model (`model.spec = "hf"`): all eight ops.
 
-transformers lets two pieces of its Qwen3 / Qwen3-MoE forward be replaced by name, and titanite
-plugs its ops in there, so a kernel registered once serves both backends:
+A kernel registered once serves both backends. transformers' Qwen3 / Qwen3-MoE offer a
+replacement seam for some ops, and titanite uses those:
 
 - `attention`, through transformers' AttentionInterface: every attention module gets an
-  `attention` call site (`...self_attn.attention`). Whole causal sequences and block-causal
-  masks (titanite's packed documents) go to the op; any other mask (padding, a KV cache
-  during generation) goes to transformers' own SDPA path.
+  `attention` call site. Whole causal sequences and block-causal masks (titanite's packed
+  documents) go to the op; any other mask (padding, a KV cache during generation) goes to
+  transformers' own SDPA path.
 - `moe.dispatch` and `moe.experts`, through its ExpertsInterface: every experts module
-  (`...mlp.experts`, weights gate_up_proj [E, 2I, H] and down_proj [E, H, I], the layout of
-  titanite's native experts) gets both call sites. transformers' router stays its own.
+  (weights gate_up_proj [E, 2I, H] and down_proj [E, H, I], the layout of titanite's native
+  experts) gets both call sites. Expert parallelism hooks in here too (`run_experts`).
 
-Not reachable without replacing transformers' modules, which titanite does not do:
-`rms_norm` and `rope` (transformers swaps those only for Hub `kernels` packages), `swiglu`
-(its MLP calls the activation directly), `moe.router` (a plain module), and `loss`
-(transformers' head returns the logits; the trainer takes the cross-entropy from them).
+For the other five, transformers' only seam is `use_kernel_forward_from_hub` (RMSNorm, RoPE),
+which swaps in layers fetched from the Hugging Face Hub by the `kernels` package: it cannot take
+a function registered in this process, needs the network, and without the package (titanite does
+not install it) the decorator does nothing. Its loss function receives the logits, so it cannot
+avoid them. So for those, and only here, titanite replaces the *instance* forward of the known
+Qwen3 modules (the classes are untouched, other models in the process keep transformers' code):
+
+- RMSNorm (`Qwen3RMSNorm`, `Qwen3MoeRMSNorm`, the per-head q/k norms included) -> `rms_norm`;
+- attention (`Qwen3Attention`, `Qwen3MoeAttention`) -> the same projections and norms, then the
+  `rope` op, then the attention interface as above (a KV cache is honoured);
+- the dense MLP (`Qwen3MLP`, `Qwen3MoeMLP`, SiLU only) -> `swiglu`;
+- the MoE router (`Qwen3MoeTopKRouter`) -> `moe.router`, in fp32 as the native router; it also
+  leaves the layer's `RoutingRecord` (`last_routing`) for the auxiliary loss and telemetry;
+- the head (`lm_head`) -> `loss` on the final hidden states and the head weight, while the
+  labels are set (`labels(...)`): the chunked loss never holds the [tokens, V] logits here either.
+  Without labels (a vocabulary-sharded head, evaluation of logits, generation) it returns them.
+
+Every replaced forward computes what transformers' does with the reference ops (tested against
+unmodified transformers, forward and backward). Call sites keep transformers' module names
+(`hf.model.layers.0.self_attn.q_norm.kernel`); `native_name` gives the native model's name for
+the same place (`layers.0.attention.q_norm.kernel`), so one `[kernels]` glob selects the same
+modules under either `model.spec`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import re
+import types
+from collections.abc import Callable, Iterator
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titanite.kernels.attach import Kernel
-from titanite.kernels.reference_ops import block_causal_mask
+from titanite.kernels.reference_ops import IGNORE_INDEX, block_causal_mask
 
 NAME = "titanite"
 _registered = False
 _mask_cache: list = [None, None]  # (the last mask seen, its document ids or _OTHER)
 _OTHER = object()  # a mask the attention op cannot express
+_LABELS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titanite_hf_labels", default=None)
 
+
+# -- transformers' interfaces: attention and experts ---------------------------------------
 
 def _document_ids(mask: torch.Tensor | None, q_len: int, kv_len: int):
     """None for no mask; int64 [B, S] document ids for a causal / block-causal mask; _OTHER else.
@@ -75,10 +103,12 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 def _experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """ExpertsInterface function: tokens [T, H], ids [T, k], weights [T, k] -> [T, H]."""
-    def run(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return module.experts_kernel(rows, counts, module.gate_up_proj, module.down_proj)
+    return module.dispatch(hidden_states, top_k_index, top_k_weights, module.num_experts, module.run_experts)
 
-    return module.dispatch(hidden_states, top_k_index, top_k_weights, module.num_experts, run)
+
+def run_local_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The experts on one device: rows [N, H] sorted by expert, counts [E] -> [N, H]."""
+    return module.experts_kernel(rows, counts, module.gate_up_proj, module.down_proj)
 
 
 def _register_interfaces() -> None:
@@ -104,23 +134,148 @@ def _is_titanite_layout_experts(module: nn.Module) -> bool:
             and not getattr(module, "_is_expert_parallel", False))
 
 
-def install(hf: nn.Module) -> None:
-    """Route a transformers PreTrainedModel's attention and experts through titanite call sites.
+# -- replaced instance forwards --------------------------------------------------------------
 
-    Adds `attention` to each attention module and `dispatch` + `experts_kernel` to each experts
-    module (bound later by `kernels.attach`), then selects the `titanite` implementations.
-    """
+def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return self.kernel(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _attention_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple,
+                       attention_mask: torch.Tensor | None, cache=None, past_key_values=None, **kwargs):
+    """transformers' Qwen3 attention with the `rope` op: [B, S, H] -> ([B, S, H], weights or None)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cache = cache if cache is not None else past_key_values  # the name before transformers 5.40
+    B, S = hidden_states.shape[:2]
+    per_head = (B, S, -1, self.head_dim)
+    q = self.q_norm(self.q_proj(hidden_states).view(per_head)).transpose(1, 2)  # [B, Hq, S, D]
+    k = self.k_norm(self.k_proj(hidden_states).view(per_head)).transpose(1, 2)  # [B, Hk, S, D]
+    v = self.v_proj(hidden_states).view(per_head).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = self.rope(q, k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    if attend is None:
+        raise RuntimeError(f"attention implementation {self.config._attn_implementation!r} is not registered")
+    out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                          scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
+    return self.o_proj(out.reshape(B, S, -1).contiguous()), weights
+
+
+def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
+    """[T, H] -> (router log-probabilities [T, E], top-k weights fp32 [T, k], top-k ids [T, k]).
+
+    The routing runs in fp32 as the native router's (under bf16 autocast too). Its first output
+    is what transformers records as the router logits (output_router_logits): the
+    log-probabilities, whose softmax is the router's probabilities."""
+    from titanite.models.moe_stats import RoutingRecord, expert_counts
+
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    with torch.autocast(x.device.type, enabled=False):
+        probs, weights, ids = self.kernel(x.float(), self.weight.float(), self.top_k, self.norm_topk_prob, None)
+    with torch.no_grad():
+        counts = expert_counts(ids, self.num_experts)
+    self.last_routing = RoutingRecord(counts, probs.sum(dim=0), x.shape[0])
+    return probs.log(), weights, ids
+
+
+def _head_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V], or with `labels(...)` set the fp32 summed cross-entropy through `loss`."""
+    labels_now = _LABELS.get()
+    if labels_now is None:
+        return F.linear(hidden_states, self.weight)
+    return self.loss(hidden_states.flatten(0, -2), self.weight, labels_now.flatten(), IGNORE_INDEX)
+
+
+@contextlib.contextmanager
+def labels(value: torch.Tensor | None) -> Iterator[None]:
+    """While set, an installed model's head returns the summed loss of `value` (int64 [B, S],
+    IGNORE_INDEX skipped) in place of the logits."""
+    token = _LABELS.set(value)
+    try:
+        yield
+    finally:
+        _LABELS.reset(token)
+
+
+def _replace_forward(module: nn.Module, fn: Callable, **sites: str) -> None:
+    for attr, op in sites.items():
+        setattr(module, attr, Kernel(op))
+    module.forward = types.MethodType(fn, module)
+
+
+def _module_classes() -> dict[str, tuple[type, ...]]:
+    from transformers.models.qwen3 import modeling_qwen3 as dense
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as moe
+
+    return {"norm": (dense.Qwen3RMSNorm, moe.Qwen3MoeRMSNorm),
+            "attention": (dense.Qwen3Attention, moe.Qwen3MoeAttention),
+            "mlp": (dense.Qwen3MLP, moe.Qwen3MoeMLP),
+            "router": (moe.Qwen3MoeTopKRouter,)}
+
+
+def install(hf: nn.Module) -> dict[str, int]:
+    """Give a transformers Qwen3 / Qwen3-MoE causal LM titanite's kernel call sites (bound later
+    by `kernels.attach`, like the native model's). Returns the number of modules per kind."""
     _register_interfaces()
-    attention, experts = 0, 0
+    classes = _module_classes()
+    found = dict.fromkeys(("norm", "attention", "mlp", "router", "experts", "head"), 0)
     for module in hf.modules():
-        if hasattr(module, "num_key_value_groups") and hasattr(module, "scaling"):
-            module.attention = Kernel("attention")
-            attention += 1
+        if isinstance(module, classes["norm"]):
+            _replace_forward(module, _rms_norm_forward, kernel="rms_norm")
+            found["norm"] += 1
+        elif isinstance(module, classes["attention"]):
+            _replace_forward(module, _attention_forward, rope="rope", attention="attention")
+            found["attention"] += 1
+        elif isinstance(module, classes["mlp"]) and module.config.hidden_act == "silu":
+            _replace_forward(module, _mlp_forward, swiglu="swiglu")
+            found["mlp"] += 1
+        elif isinstance(module, classes["router"]):
+            _replace_forward(module, _router_forward, kernel="moe.router")
+            module.last_routing = None
+            found["router"] += 1
         elif _is_titanite_layout_experts(module):
             module.dispatch = Kernel("moe.dispatch")
             module.experts_kernel = Kernel("moe.experts")
-            experts += 1
-    if attention:
+            module.run_experts = types.MethodType(run_local_experts, module)
+            found["experts"] += 1
+    head = hf.get_output_embeddings()
+    if isinstance(head, nn.Linear) and head.bias is None:
+        _replace_forward(head, _head_forward, loss="loss")
+        found["head"] = 1
+    if found["attention"]:
         hf.set_attn_implementation(NAME)
-    if experts:
+    if found["experts"]:
         hf.set_experts_implementation(NAME)
+    return found
+
+
+# -- the native model's names for the same places ---------------------------------------------
+
+_NATIVE_NAMES = [(re.compile(p), r) for p, r in (
+    (r"^hf\.", ""),
+    (r"^model\.", ""),
+    (r"\bembed_tokens\b", "tok_embeddings"),
+    (r"\bself_attn\.attention$", "attention.attend"),
+    (r"\bself_attn\b", "attention"),
+    (r"\binput_layernorm\b", "attention_norm"),
+    (r"\bpost_attention_layernorm\b", "ffn_norm"),
+    (r"\bmlp\.gate\b", "feed_forward.router"),
+    (r"\bmlp\.experts\.dispatch$", "feed_forward.dispatcher.kernel"),
+    (r"\bmlp\.experts\.experts_kernel$", "feed_forward.experts.kernel"),
+    (r"\bmlp\b", "feed_forward"),
+    (r"^lm_head\b", "output"),
+)]
+
+
+def native_name(fqn: str) -> str:
+    """The native model's name for a transformers module or call-site FQN:
+    `hf.model.layers.0.self_attn.q_norm.kernel` -> `layers.0.attention.q_norm.kernel`."""
+    for pattern, repl in _NATIVE_NAMES:
+        fqn = pattern.sub(repl, fqn)
+    return fqn

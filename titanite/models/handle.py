@@ -84,6 +84,9 @@ class ModelHandle(ABC):
     supports_document_masks: ClassVar[bool] = False  # forward_train honours batch["document_ids"]
     supports_generation: ClassVar[bool] = False  # native KV-cache decoding (titanite generate)
     supports_expert_parallel: ClassVar[bool] = False
+    # The model's head has a `loss` kernel call site: forward_train can return the summed
+    # cross-entropy from the hidden states (loss_sum) instead of the logits.
+    fused_loss: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, args: Qwen3Args, source_config: dict[str, Any] | None,
                  source_folder: str = "", options: ModelOptions = ModelOptions()) -> None:
@@ -117,8 +120,15 @@ class ModelHandle(ABC):
     @property
     def loss_from_logits(self) -> bool:
         """True when the trainer computes the cross-entropy from the logits forward_train
-        returns; False when the model's `loss` op returns the summed loss itself."""
-        return True
+        returns; False when the model's `loss` op returns the summed loss itself. The loss op
+        needs the whole head matrix, so a vocabulary-sharded head (tensor parallel) gives
+        sharded logits, whose cross-entropy the trainer computes across the shards."""
+        return not self.fused_loss or self.vocab_parallel
+
+    def keeps_logits(self, kernels_cfg: KernelsConfig, tp: int) -> bool:
+        """Whether a training forward holds the [tokens, V] logits until backward: all but the
+        chunked loss op on a whole head do."""
+        return not (self.fused_loss and tp == 1 and kernels_cfg.select.get("loss", "chunked") == "chunked")
 
     # -- weights ---------------------------------------------------------------------------
 

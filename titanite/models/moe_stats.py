@@ -2,8 +2,8 @@
 
 Each MoE layer's forward leaves a `RoutingRecord`; the backend turns the records into the
 auxiliary loss (transformers' `load_balancing_loss_func` math) and the expert-load stats logged
-to metrics.jsonl. The native model records its router's choice directly; the transformers
-backend recomputes it from the router logits with the router op's own selection rule.
+to metrics.jsonl. Both backends record it from their `moe.router` call (the transformers
+backend's router runs the op too, see kernels/hf.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from titanite.kernels.reference_ops import select_experts
 
 
 @dataclass
@@ -31,15 +30,6 @@ def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     bounds = torch.arange(1, num_experts + 1, device=topk_ids.device, dtype=sorted_ids.dtype)
     ends = torch.searchsorted(sorted_ids, bounds)
     return torch.diff(ends, prepend=ends.new_zeros(1))
-
-
-@torch.no_grad()
-def record_from_logits(router_logits: torch.Tensor, top_k: int) -> RoutingRecord:
-    """One layer's routing from its router logits [T, E], chosen as the `moe.router` op chooses
-    (softmax in fp32, top-k; renormalising does not change the choice). For telemetry: no grad."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    _, topk_ids = select_experts(probs, top_k, norm_topk_prob=False)
-    return RoutingRecord(expert_counts(topk_ids, probs.shape[-1]), probs.sum(0), probs.shape[0])
 
 
 def load_balancing_loss(records: list[RoutingRecord], num_experts: int) -> torch.Tensor:

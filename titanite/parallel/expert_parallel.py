@@ -1,5 +1,5 @@
-"""Expert parallelism for the native MoE: experts sharded over the `ep` ranks, tokens exchanged
-with all-to-all.
+"""Expert parallelism for both backends' MoE: experts sharded over the `ep` ranks, tokens
+exchanged with all-to-all.
 
 The router and dispatcher run unchanged on every rank over its own tokens and hand the experts
 rows sorted by global expert id with per-expert counts. Expert parallelism replaces only the
@@ -8,6 +8,11 @@ dim 0); each rank sends every row to the rank that owns its expert, runs its loc
 what it received, and sends the results back to where the rows came from, in their original
 order. The dispatcher then combines them as on one device.
 
+The same code serves the native `GroupedExperts` (its forward is replaced) and transformers'
+fused experts on the hf backend (their `run_experts`, the function titanite's experts-interface
+implementation calls between dispatch and combine; see kernels/hf.py): both hold stacked
+weights [E, ...] and get (rows sorted by global expert, counts per global expert).
+
     rows [N, H] by global expert --all-to-all--> [M, H] by (source rank, local expert)
       --sort--> by (local expert, source rank) --experts--> --unsort--> --all-to-all--> [N, H]
 """
@@ -15,7 +20,7 @@ order. The dispatcher then combines them as on one device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,13 +56,16 @@ def _exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup) ->
     return received.view(ep, -1)
 
 
-def expert_parallel_forward(experts: nn.Module, mesh: DeviceMesh):
-    """The replacement `forward(x, counts)` for a `GroupedExperts` whose stacked weights are
+LocalExperts = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (module, rows, counts)
+
+
+def expert_parallel_forward(experts: nn.Module, mesh: DeviceMesh, local_forward: LocalExperts):
+    """The replacement `forward(x, counts)` for an experts module whose stacked weights are
     sharded over `mesh` (1-D, the ep ranks). x: [N, H] rows sorted by global expert; counts:
-    [E] int64 rows per global expert. Returns [N, H]: row n through its expert's SwiGLU."""
+    [E] int64 rows per global expert. Returns [N, H]: row n through its expert's SwiGLU.
+    local_forward: the single-device computation, run on the local weights and local counts."""
     group = mesh.get_group()
     ep = mesh.size()
-    local_forward = type(experts).forward  # the single-device forward, on local weights
 
     def forward(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         received = _exchange_counts(counts, ep, group)  # [ep, E/ep]
@@ -78,18 +86,41 @@ def expert_parallel_forward(experts: nn.Module, mesh: DeviceMesh):
     return forward
 
 
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard an experts module's stacked [E, ...] parameters on dim 0 over `mesh`, in place."""
+    for name, full in list(experts.named_parameters(recurse=False)):
+        sharded = distribute_tensor(full.data, mesh, [Shard(0)], src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+
+
 def apply_expert_parallel_qwen3(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
-    """Shard every MoE layer's experts over `ep_mesh` in place; returns the expert modules (FSDP
-    then shards their weights over the ranks that hold the same experts)."""
+    """Shard every native MoE layer's experts over `ep_mesh` in place; returns the expert modules
+    (FSDP then shards their weights over the ranks that hold the same experts)."""
     groups = []
     for block in model.layers:
         experts = getattr(block.feed_forward, "experts", None)
         if not isinstance(experts, GroupedExperts):
             continue  # a dense layer (mlp_only_layers, decoder_sparse_step)
-        for name, full in list(experts.named_parameters(recurse=False)):  # stacked: [E, ...]
-            sharded = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-        experts.forward = expert_parallel_forward(experts, ep_mesh)
+        shard_experts(experts, ep_mesh)
+        experts.forward = expert_parallel_forward(experts, ep_mesh, GroupedExperts.forward)
+        groups.append(experts)
+    assert groups, "expert parallelism on a model without MoE layers (checked in ParallelDims.check_model)"
+    return groups
+
+
+def apply_expert_parallel_hf(causal_lm: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """The same for a transformers Qwen3-MoE whose experts run titanite's experts interface
+    (kernels/hf.py install): each experts module's `run_experts` becomes the exchange."""
+    from titanite.kernels.hf import run_local_experts
+
+    groups = []
+    for layer in causal_lm.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue  # a dense layer
+        assert hasattr(experts, "run_experts"), "titanite's kernels are installed before expert parallelism"
+        shard_experts(experts, ep_mesh)
+        experts.run_experts = expert_parallel_forward(experts, ep_mesh, run_local_experts)
         groups.append(experts)
     assert groups, "expert parallelism on a model without MoE layers (checked in ParallelDims.check_model)"
     return groups

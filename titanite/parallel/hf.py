@@ -5,6 +5,9 @@ Data parallelism, checkpointing and compile work on any module, so they apply to
 decoder layers as they do to the native blocks: each decoder layer is one FSDP group; a tied
 embedding/head matrix, which is one parameter, stays in the root group with the final norm.
 
+Expert parallelism (MoE) is the native model's code (expert_parallel.py), entered through the
+experts interface titanite installs in transformers' experts modules.
+
 Tensor parallel (DTensor):
 
 The same cut as the native plan (tensor_parallel.py): q/k/v and gate/up column-parallel, o and
@@ -44,6 +47,11 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
     if world.dims is not None and world.dims.tp > 1:  # dense only: preflight refuses MoE + tp
         apply_tensor_parallel_hf(hf, world.meshes["tp"], tied)
         handle.vocab_parallel = True
+    expert_params: list = []
+    if world.dims is not None and world.dims.ep > 1:
+        from titanite.parallel.expert_parallel import apply_expert_parallel_hf
+
+        expert_params = [p for m in apply_expert_parallel_hf(hf, world.meshes["ep"]) for p in m.parameters()]
     blocks = list(hf.model.layers)
     apply_activation_checkpointing(blocks, p.activation_checkpoint)
     if p.compile:
@@ -52,7 +60,7 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
         groups: list = blocks if tied else [hf.model.embed_tokens, *blocks, [hf.model.norm, hf.lm_head]]
         # The transformers model is the FSDP root, not the wrapper: every forward (plain or
         # forward_train's `run`) enters through its __call__, where FSDP gathers the root group.
-        shard_model(hf, groups, world, cfg.training.mixed_precision)
+        shard_model(hf, groups, world, cfg.training.mixed_precision, expert_params)
 
 
 class ReplicateParallel(ParallelStyle):

@@ -11,9 +11,11 @@ MoE-experts implementations chosen here, not left to transformers' defaults:
   accelerators in fp32 and bf16; transformers' `eager` loops over experts in Python (15x
   slower on CPU with 64 experts, top-8) and `batched_mm` gathers a weight copy per token.
 
-In training, `attach_kernels` then routes attention and the experts through titanite's kernel
-ops, bound from `[kernels]` like the native model's (titanite/kernels/hf.py). The two choices
-above run wherever no kernels are attached, e.g. in `titanite.load_pretrained(path, spec="hf")`.
+In training, `attach_kernels` then routes all eight kernel ops through titanite's call sites
+(titanite/kernels/hf.py), bound from `[kernels]` like the native model's: the loss comes from
+the hidden states and the head weight (no logits with the chunked loss), and the MoE routing and
+auxiliary loss from the `moe.router` op, as in the native model. The two choices above run
+wherever no kernels are attached, e.g. in `titanite.load_pretrained(path, spec="hf")`.
 
 Weights are loaded by titanite's own safetensors reader, tensor by tensor into the
 materialised model, through `HFStateDictAdapter` (per-expert keys on disk, fused in memory).
@@ -32,7 +34,7 @@ from titanite.models.handle import ActivationProfile, ModelHandle, TrainOutput
 from titanite.models.hf import config as hf_config
 from titanite.models.hf.model import HFCausalLM
 from titanite.models.hf.state_dict import HEAD, PREFIX, HFStateDictAdapter
-from titanite.models.moe_stats import record_from_logits, routing_stats
+from titanite.models.moe_stats import load_balancing_loss, routing_stats
 from titanite.models.qwen3.args import to_hf_config
 
 ATTN_IMPLEMENTATION = "sdpa"
@@ -60,7 +62,10 @@ def build(cfg: ModelConfig) -> HFModel:
 class HFModel(ModelHandle):
     backend = "hf"
     supports_document_masks = True  # document_ids become a block-causal attention mask
+    supports_expert_parallel = True  # through the experts interface (parallel/expert_parallel.py)
+    fused_loss = True  # the head's `loss` call site (kernels/hf.py)
     module: HFCausalLM
+    _installed: dict[str, int] | None = None  # titanite's call sites, per module kind (kernels/hf.py)
 
     def hf_config(self) -> dict[str, Any]:
         # The checkpoint's own config.json, untouched except for the dtype the export is in.
@@ -70,9 +75,8 @@ class HFModel(ModelHandle):
         return base
 
     def activation_profile(self, kernels_cfg: KernelsConfig, tp: int) -> ActivationProfile:
-        # transformers' head returns the logits; its tensor-parallel plan keeps the residual
-        # stream whole (parallel/hf.py).
-        return ActivationProfile(sequence_parallel=False, keeps_logits=True)
+        # The tensor-parallel plan keeps the residual stream whole (parallel/hf.py).
+        return ActivationProfile(sequence_parallel=False, keeps_logits=self.keeps_logits(kernels_cfg, tp))
 
     def state_dict_adapter(self) -> HFStateDictAdapter:
         return HFStateDictAdapter(self.args.tie_word_embeddings)
@@ -95,25 +99,33 @@ class HFModel(ModelHandle):
         self.module.init_buffers()
 
     def attach_kernels(self, kernels_cfg: KernelsConfig, device_type: str, dtype: torch.dtype) -> dict[str, str]:
-        """titanite's `attention`, `moe.dispatch` and `moe.experts` ops replace transformers'
-        attention and experts implementations (see titanite/kernels/hf.py), bound from
-        `[kernels]` like the native model's; the other ops have no seam in transformers."""
-        from titanite.kernels.hf import install
+        """Give transformers' modules titanite's call sites for all eight ops (kernels/hf.py),
+        then bind them from `[kernels]` like the native model's. FQN globs match either the
+        transformers names or the native model's names for the same modules."""
+        from titanite.kernels import attach
+        from titanite.kernels.hf import install, native_name
 
-        install(self.module.hf)
-        return super().attach_kernels(kernels_cfg, device_type, dtype)
+        self._installed = install(self.module.hf)
+        return attach(self.module, kernels_cfg.select, device_type, dtype, kernels_cfg.fallback, alias=native_name)
 
     def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
-        """MoE models add what the native backend adds, from transformers' router logits: the
-        load-balancing loss (transformers' own `aux_loss`) x router_aux_loss_coef, only when
-        config.json's output_router_logits is on, and the expert-load stats, always."""
+        """As the native model's: the cross-entropy from the `loss` op on the hidden states
+        unless the head is vocabulary-sharded; for MoE models the load-balancing loss (x
+        router_aux_loss_coef, only when config.json's output_router_logits is on) and the
+        expert-load stats from what each `moe.router` call recorded."""
+        if self._installed is None:  # not attached: every call site runs its op's default
+            from titanite.kernels.hf import install
+
+            self._installed = install(self.module.hf)
         a = self.args
+        fused = not self.loss_from_logits
         out = self.module.run(batch["input_ids"], batch["position_ids"], batch.get("document_ids"),
-                              output_router_logits=a.is_moe)
+                              labels=batch["labels"] if fused else None)
+        logits, loss_sum = (None, out.logits) if fused else (out.logits, None)
         if not a.is_moe:
-            return TrainOutput(out.logits)
-        sparse = [i for i in range(a.num_layers) if a.layer_is_moe(i)]
-        records = [(i, record_from_logits(logits, a.num_experts_per_tok))
-                   for i, logits in zip(sparse, out.router_logits, strict=True)]
-        aux = a.router_aux_loss_coef * out.aux_loss if a.output_router_logits else None
-        return TrainOutput(out.logits, aux, routing_stats(records, out.aux_loss))
+            return TrainOutput(logits, loss_sum=loss_sum)
+        records = [(i, layer.mlp.gate.last_routing) for i, layer in enumerate(self.module.hf.model.layers)
+                   if a.layer_is_moe(i)]
+        balance = load_balancing_loss([r for _, r in records], a.num_experts)
+        aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
+        return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum)

@@ -30,15 +30,22 @@ class HFCausalLM(nn.Module):
         return self.run(input_ids, position_ids, document_ids).logits
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-            document_ids: torch.Tensor | None = None, output_router_logits: bool = False) -> ModelOutput:
+            document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> ModelOutput:
         """The transformers forward without a KV cache. document_ids: [B, S] int, optional: a
-        token attends only to earlier tokens of its own document (packed samples). With
-        output_router_logits (MoE only) the output also carries each sparse layer's
-        `router_logits` [T, E] and transformers' unscaled load-balancing `aux_loss`."""
-        kw = {"output_router_logits": True} if output_router_logits else {}
+        token attends only to earlier tokens of its own document (packed samples).
+
+        labels: int64 [B, S], only once titanite's kernels are installed (kernels/hf.py): the
+        head then computes the summed cross-entropy through the `loss` op, and the output's
+        `logits` is that fp32 scalar (the [B, S, V] logits are never built)."""
         mask = None if document_ids is None else kernels.block_causal_mask(document_ids)
-        return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                       use_cache=False, **kw)
+        # The MoE auxiliary loss is the handle's (from the routers' records), not transformers'.
+        kw = {"output_router_logits": False} if self.args.is_moe else {}
+        if labels is None:
+            return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **kw)
+        from titanite.kernels.hf import labels as head_labels
+
+        with head_labels(labels):
+            return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **kw)
 
     # -- after materialising ----------------------------------------------------------------
 

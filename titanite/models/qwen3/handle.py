@@ -51,6 +51,7 @@ class Qwen3Model(ModelHandle):
     supports_document_masks = True
     supports_generation = True
     supports_expert_parallel = True
+    fused_loss = True
     module: Qwen3
 
     def hf_config(self) -> dict[str, Any]:
@@ -60,15 +61,7 @@ class Qwen3Model(ModelHandle):
         return base
 
     def activation_profile(self, kernels_cfg: KernelsConfig, tp: int) -> ActivationProfile:
-        # The chunked loss op never holds the logits; a vocabulary-sharded head (tp) returns them.
-        chunked = tp == 1 and kernels_cfg.select.get("loss", "chunked") == "chunked"
-        return ActivationProfile(sequence_parallel=True, keeps_logits=not chunked)
-
-    @property
-    def loss_from_logits(self) -> bool:
-        # The loss op needs the whole head matrix; a vocabulary-sharded head gives sharded logits,
-        # whose cross-entropy the trainer computes across the shards.
-        return self.vocab_parallel
+        return ActivationProfile(sequence_parallel=True, keeps_logits=self.keeps_logits(kernels_cfg, tp))
 
     def state_dict_adapter(self) -> Qwen3StateDictAdapter:
         return Qwen3StateDictAdapter(self.args)
