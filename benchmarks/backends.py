@@ -13,6 +13,9 @@ The same ~20M-parameter Qwen3 (hidden 256, 4 layers, 4 query / 2 key-value heads
   micro-batch's logits would take more than 10% of the device's memory);
 - titanite qwen3, loss = chunked / reference: the two losses `auto` chooses between, explicitly
   (chunked recomputes the head matmul in backward to never hold the [tokens, vocab] logits);
+- titanite hf, loss = chunked / reference: the transformers backend with the same two losses
+  (the loss op runs on its final hidden states and head weight, kernels/hf.py), for the memory
+  the chunked loss saves on either backend (peak RSS of the row's process, in MiB);
 - titanite qwen3, host read every step: the default row, but reading the loss and gradient norm
   on the host after every step, as the trainer did before it kept them on the device between
   logging steps (on a CPU, where every op already runs synchronously, the two rows should tie;
@@ -31,6 +34,8 @@ formula) against a 2048^3 GEMM measured here.
 
     .venv/bin/python benchmarks/backends.py --dtypes fp32   # the docs/performance.md table
     .venv/bin/python benchmarks/backends.py --dtypes fp32 --preset demo   # configs/demo.toml's shapes
+    .venv/bin/python benchmarks/backends.py --dtypes fp32 --preset demo --rows "titanite hf, loss = chunked" \
+        "titanite hf, loss = reference" "titanite qwen3, loss = chunked" "titanite qwen3, loss = reference"
     .venv/bin/python benchmarks/backends.py --dtypes bf16 --rounds 8 --compile
     .venv/bin/python benchmarks/backends.py --dtypes fp32 --profile /tmp/trace   # op tables + traces
 """
@@ -43,6 +48,7 @@ import copy
 import json
 import logging
 import platform
+import resource
 import sys
 import sysconfig
 import tempfile
@@ -154,17 +160,17 @@ def time_step(step) -> tuple[float, float]:
 
 
 ROWS = ("hand loop", "hand loop, foreach AdamW", "titanite hf", "titanite qwen3", "titanite qwen3, loss = chunked",
-        "titanite qwen3, loss = reference", "titanite qwen3, host read every step")
+        "titanite qwen3, loss = reference", "titanite qwen3, host read every step", "titanite hf, loss = chunked",
+        "titanite hf, loss = reference")
 
 
 def build_row(name: str, folder: Path, root: Path, dtype: str, args: argparse.Namespace):
     """The step function of one row (the hand loops copy the weights of a titanite hf model)."""
     if name.startswith("hand loop"):
         return HandLoop(titanite_trainer("hf", folder, root, dtype, args), dtype, fused="foreach" not in name).train_step
-    if name == "titanite hf":
-        return titanite_step(titanite_trainer("hf", folder, root, dtype, args))
+    spec = name.split()[1].rstrip(",")  # "titanite hf, ..." / "titanite qwen3 ..."
     extra = {"kernels.loss": name.rsplit(" ", 1)[-1]} if "loss =" in name else {}
-    return titanite_step(titanite_trainer("qwen3", folder, root, dtype, args, **extra),
+    return titanite_step(titanite_trainer(spec, folder, root, dtype, args, **extra),
                          read_every_step=name.endswith("every step"))
 
 
@@ -178,7 +184,9 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup - 1):
             step()
         times = [time_step(step) for _ in range(args.steps)]
-    print(json.dumps({"first_loss": first[0], "wall": [w for w, _ in times], "cpu": [c for _, c in times]}))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(json.dumps({"first_loss": first[0], "wall": [w for w, _ in times], "cpu": [c for _, c in times],
+                      "peak_rss_mib": peak_mib}))
 
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, tries: int = 5) -> tuple[float, float]:
@@ -213,6 +221,7 @@ def run(args: argparse.Namespace) -> None:
                     per_row[name]["first_loss"] = out["first_loss"]
                     per_row[name]["wall"] += out["wall"]
                     per_row[name]["cpu"] += out["cpu"]
+                    per_row[name]["peak_rss_mib"] = max(per_row[name].get("peak_rss_mib", 0), out["peak_rss_mib"])
             peak, cpu_peak = gemm_peak(DTYPES[dtype])
             probe = titanite_trainer("qwen3", folder, root, dtype, args)
             fpt = flops_per_token(probe.model.args, args.seq_len)
@@ -223,7 +232,8 @@ def run(args: argparse.Namespace) -> None:
                 results[(dtype, name)] = {
                     "s_per_step": t, "tokens_per_sec": tokens / t, "mfu": fpt * tokens / t / peak,
                     "cpu_s_per_step": cpu_t, "tokens_per_cpu_s": tokens / cpu_t,
-                    "mfu_cpu": fpt * tokens / cpu_t / cpu_peak, "first_loss": v["first_loss"]}
+                    "mfu_cpu": fpt * tokens / cpu_t / cpu_peak, "first_loss": v["first_loss"],
+                    "peak_rss_mib": v["peak_rss_mib"]}
             report(dtype, results, n_params, (peak, cpu_peak), args)
 
 
@@ -235,12 +245,13 @@ def report(dtype: str, results: dict, n_params: int, peaks: tuple[float, float],
           f"{peaks[0] / 1e9:.0f} GFLOP/s (wall), {peaks[1] / 1e9:.0f} GFLOP/s (CPU time)"
           f"{', blocks compiled' if args.compile else ''}")
     print(f"| row | wall s/step | tokens/s | MFU | CPU s/step | tokens/CPU-s | MFU (CPU) | vs {'hand loop' if 'hand loop' in r else 'first row'} (CPU) "
-          "| first loss |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| first loss | peak RSS MiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, v in r.items():
         print(f"| {name} | {v['s_per_step']:.2f} | {v['tokens_per_sec']:,.0f} | {100 * v['mfu']:.1f}% | "
               f"{v['cpu_s_per_step']:.2f} | {v['tokens_per_cpu_s']:,.0f} | {100 * v['mfu_cpu']:.1f}% | "
-              f"{r.get('hand loop', first_row)['cpu_s_per_step'] / v['cpu_s_per_step']:.3f}x | {v['first_loss']:.6f} |")
+              f"{r.get('hand loop', first_row)['cpu_s_per_step'] / v['cpu_s_per_step']:.3f}x | {v['first_loss']:.6f} | "
+              f"{v['peak_rss_mib']:,.0f} |")
     if set(ROWS) - set(r):  # a --rows subset: the table only (ratios against its first row)
         sys.stdout.flush()
         return

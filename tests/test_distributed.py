@@ -176,6 +176,9 @@ LAYOUTS = {
     # transformers' experts through the native EP code: 2 ways by EP, then 2 ways by FSDP
     "hf_ep": ("moe", 2, {"model.spec": "hf", "parallelism.ep": 2}),
     "hf_fsdp_ep": ("moe", 4, {"model.spec": "hf", "parallelism.ep": 2, "parallelism.activation_checkpoint": "selective"}),
+    # MoE attention tensor-parallel, experts expert-parallel (EP x TP), FSDP over the rest
+    "ep_tp": ("moe", 4, {"parallelism.ep": 2, "parallelism.tp": 2}),
+    "hf_ep_tp": ("moe", 4, {"model.spec": "hf", "parallelism.ep": 2, "parallelism.tp": 2}),
 }
 
 
@@ -189,6 +192,7 @@ def test_layout_matches_single_process(layout, request, tmp_path, data):
     single_process(args_for(hf, data, tmp_path / "ref", steps, **reference))
     torchrun(ranks, args_for(hf, data, tmp_path / "run", steps, **extra))
     assert_same_run(tmp_path / "ref", tmp_path / "run", list(range(1, steps + 1)))
+    assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
     assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
 
 

@@ -30,7 +30,6 @@ MOE = DENSE.replace(**TINY_MOE)
     (4, {"dp_shard": 3}, r"dp_replicate \(1\) x dp_shard \(3\) x tp \(1\) = 3, but the world size is 4"),
     (8, {"dp_replicate": 2, "dp_shard": 2}, r"= 4, but the world size is 8"),
     (4, {"ep": 3}, r"parallelism.ep \(3\) must divide parallelism.dp_shard \(4\)"),
-    (4, {"ep": 2, "tp": 2}, r"parallelism.ep \(2\) together with parallelism.tp \(2\) is not supported"),
     (4, {"compile": True, "tp": 2}, r"parallelism.compile = true together with parallelism.tp \(2\) is not supported"),
 ])
 def test_layout_that_does_not_fit_the_world_is_refused(world, overrides, message):
@@ -43,6 +42,8 @@ def test_layout_degrees_resolve():
     assert (d.dp_replicate, d.dp_shard, d.tp, d.ep, d.dp) == (2, 4, 2, 1, 8)
     d = ParallelDims.resolve(ParallelismConfig(dp_replicate=2, ep=4), 16)
     assert (d.dp_replicate, d.dp_shard, d.tp, d.ep, d.dp) == (2, 8, 1, 4, 16)
+    d = ParallelDims.resolve(ParallelismConfig(ep=2, tp=2), 4)  # EP x TP: experts on dp_shard ranks
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.ep, d.dp) == (1, 2, 2, 2, 2)
 
 
 @pytest.mark.parametrize("args, overrides, message", [
@@ -51,7 +52,7 @@ def test_layout_degrees_resolve():
     (DENSE.replace(vocab_size=513), {"tp": 2}, r"parallelism.tp \(2\) must divide vocab_size \(513\)"),
     (MOE, {"ep": 8}, r"parallelism.ep \(8\) must divide num_experts \(4\)"),
     (DENSE, {"ep": 2}, r"parallelism.ep = 2 but the model \(config.json\) is dense"),
-    (MOE, {"tp": 2}, r"parallelism.tp \(2\) with an MoE model is not supported"),
+    (MOE, {"tp": 4, "ep": 2}, r"parallelism.tp \(4\) must divide num_key_value_heads \(2\)"),
 ])
 def test_degrees_that_do_not_divide_the_model_are_refused(args, overrides, message):
     d = ParallelDims.resolve(ParallelismConfig(**overrides), 8)

@@ -119,3 +119,13 @@ def test_example_kernel_verifies_with_the_same_command():
     table = [line for line in proc.stdout.splitlines() if line.startswith("rms_norm")]
     assert len(table) == 9 and all(line.rstrip().endswith("| pass") for line in table)
     assert "9 passed, 0 failed" in proc.stdout
+
+
+def test_example_kernel_verifies_through_the_transformers_call_sites():
+    """The user's kernel, checked where the hf backend calls it: `kernels verify --spec hf`."""
+    proc = run_cli("kernels", "verify", "rms_norm", "--impl", "example_rms_norm", "--plugins", EXAMPLE,
+                   "--device", "cpu", "--spec", "hf", "--dtype", "float32", "bfloat16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("rms_norm")]
+    assert len(table) == 2 and all(line.rstrip().endswith("| pass") for line in table), proc.stdout
+    assert "through the hf model's call sites" in proc.stdout

@@ -3,7 +3,7 @@
 On an accelerator every host read of a device tensor (`.item()`, `float()`, `bool()`, `.tolist()`)
 drains the queue, so the next step cannot be enqueued while this one runs. The test counts those
 calls per step of a real training loop (dense, and MoE with its aux loss and expert-load stats,
-with gradient accumulation) and requires zero on the other steps.
+with gradient accumulation; both backends) and requires zero on the other steps.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from titanite.trainer import Trainer
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 
 
+@pytest.mark.parametrize("spec", ["qwen3", "hf"])
 @pytest.mark.parametrize("arch", ["dense", "moe"])
-def test_no_host_reads_on_non_logging_steps(tmp_path, tiny_tokenizer_dir, tiny_data, monkeypatch, arch):
+def test_no_host_reads_on_non_logging_steps(tmp_path, tiny_tokenizer_dir, tiny_data, monkeypatch, arch, spec):
     extra = dict(TINY_MOE, output_router_logits=True, router_aux_loss_coef=0.01) if arch == "moe" else {}
     folder = make_hf_checkpoint(tmp_path / "hf", tiny_tokenizer_dir, **extra)
     out = tmp_path / "run"
     trainer = Trainer(load_config(None, tiny_train_args(folder, tiny_data, out, steps=8, **{
-        "metrics.log_interval": 4, "checkpoint.interval": 0, "checkpoint.export_hf": False,
+        "model.spec": spec, "metrics.log_interval": 4, "checkpoint.interval": 0, "checkpoint.export_hf": False,
         "training.batch_size": 2, "training.global_batch_size": 4})))  # two micro-batches per step
     reads = {"n": 0}
     per_step: list[int] = []

@@ -5,8 +5,10 @@ replacement seam for some ops, and titanite uses those:
 
 - `attention`, through transformers' AttentionInterface: every attention module gets an
   `attention` call site. Whole causal sequences and block-causal masks (titanite's packed
-  documents) go to the op; any other mask (padding, a KV cache during generation) goes to
-  transformers' own SDPA path.
+  documents, passed as a 4-D mask) go to the op; any other 4-D mask and decoding steps with a KV
+  cache go to transformers' own SDPA path. transformers builds no masks for this
+  implementation: a 2-D padding mask given to an installed model is not applied (titanite's
+  training and evaluation never pass one).
 - `moe.dispatch` and `moe.experts`, through its ExpertsInterface: every experts module
   (weights gate_up_proj [E, 2I, H] and down_proj [E, H, I], the layout of titanite's native
   experts) gets both call sites. Expert parallelism hooks in here too (`run_experts`).
@@ -117,10 +119,13 @@ def _register_interfaces() -> None:
         return
     from transformers import AttentionInterface
     from transformers.integrations.moe import ExpertsInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    # No mask function is registered for this implementation, so transformers prepares no mask
+    # of its own: a 4-D mask it is given (titanite's block-causal one) reaches `_attention` as is,
+    # and without one the attention is causal. transformers' mask preparation would otherwise
+    # infer packed documents from restarting position ids (the native model never does) with a
+    # host read on every forward.
     AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # masks as SDPA gets them: None when causal
     ExpertsInterface.register(NAME, _experts)
     _registered = True
 

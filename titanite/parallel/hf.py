@@ -44,7 +44,7 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
     p, model = cfg.parallelism, handle.module
     hf = model.hf
     tied = handle.args.tie_word_embeddings
-    if world.dims is not None and world.dims.tp > 1:  # dense only: preflight refuses MoE + tp
+    if world.dims is not None and world.dims.tp > 1:
         apply_tensor_parallel_hf(hf, world.meshes["tp"], tied)
         handle.vocab_parallel = True
     expert_params: list = []
@@ -82,8 +82,11 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
-def _layer_plan() -> dict:
-    return {
+def _layer_plan(sparse: bool) -> dict:
+    """One decoder layer's plan. A sparse (MoE) layer's block is left whole: it runs on every
+    tensor-parallel rank on the same tokens (the residual stream is whole here), its experts
+    sharded by expert parallelism when ep > 1."""
+    plan = {
         "input_layernorm": ReplicateParallel(),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -96,6 +99,7 @@ def _layer_plan() -> dict:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
+    return {k: v for k, v in plan.items() if not (sparse and k.startswith("mlp."))}
 
 
 def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bool) -> None:
@@ -107,7 +111,7 @@ def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bo
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     })
     for layer in causal_lm.model.layers:
-        parallelize_module(layer, tp_mesh, _layer_plan())
+        parallelize_module(layer, tp_mesh, _layer_plan(sparse=hasattr(layer.mlp, "experts")))
     if tied:
         # Each style registered its own Parameter; the head must use the embedding's (both are
         # vocabulary-sharded [V, H], so one DTensor serves both).

@@ -52,9 +52,6 @@ class ParallelDims:
             # Compiled blocks fail in backward at the sequence-parallel redistributions.
             raise UserError(f"parallelism.compile = true together with parallelism.tp ({p.tp}) is not supported; "
                             f"turn one of them off")
-        if p.ep > 1 and p.tp > 1:
-            raise UserError(f"parallelism.ep ({p.ep}) together with parallelism.tp ({p.tp}) is not supported; "
-                            f"use one of them for MoE models")
         return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
 
     @property
@@ -77,9 +74,6 @@ class ParallelDims:
             value = hf_config.get(field)
             if value is None or value % degree:
                 raise UserError(f"parallelism.{key} ({degree}) must divide {field} ({value}) of {where}")
-        if self.tp > 1 and hf_config.get("num_experts"):
-            raise UserError(f"parallelism.tp ({self.tp}) with an MoE model is not supported; "
-                            f"shard the experts with parallelism.ep instead")
 
     def build_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
         """The device meshes, by role. 'world' is (dp_replicate, dp_shard, tp); 'dp' its flattened

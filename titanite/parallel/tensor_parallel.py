@@ -10,6 +10,13 @@ sharded over the vocabulary, and so are the logits: the cross-entropy runs acros
 
 The per-head q/k norms see this rank's heads only: they are treated as sequence parallel over
 the head dimension, so their (replicated) weights get gradients summed over all heads.
+
+An MoE block is not split: it gets the whole gathered sequence on every tensor-parallel rank,
+computes the same output there (its experts sharded by expert parallelism when ep > 1), and
+each rank keeps its sequence slice of the output. Its backward all-gathers the output gradient,
+so every rank computes the same, complete gradients for the router and the experts (no sum over
+the tensor-parallel ranks is needed). The price is that the MoE layers' work is repeated on each
+of the tp ranks; attention and dense MLPs are split as above.
 """
 
 from __future__ import annotations
@@ -33,8 +40,20 @@ def _gather_sequence(mesh: DeviceMesh):
     return hook
 
 
-def _block_plan() -> dict:
-    return {
+def _keep_sequence_slice(mesh: DeviceMesh):
+    """Forward hook of an unsplit (MoE) block: its whole-sequence output [B, S, H], the same on
+    every rank, becomes this rank's slice [B, S/tp, H] of the residual stream; backward gathers
+    the slices' gradients into the whole output's."""
+
+    def hook(_module: nn.Module, _args, output):
+        whole = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
+        return whole.redistribute(placements=[Shard(1)]).to_local()
+
+    return hook
+
+
+def _block_plan(sparse: bool) -> dict:
+    plan = {
         "attention_norm": SequenceParallel(),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -47,6 +66,7 @@ def _block_plan() -> dict:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
+    return {k: v for k, v in plan.items() if not (sparse and k.startswith("feed_forward."))}
 
 
 def _replicate_output(_module: nn.Module, _inputs, output):
@@ -56,7 +76,7 @@ def _replicate_output(_module: nn.Module, _inputs, output):
 
 
 def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard a materialised native Qwen3 (dense) in place over the 1-D `tp_mesh`."""
+    """Shard a materialised native Qwen3 (dense or MoE) in place over the 1-D `tp_mesh`."""
     top = {
         # Rows of the embedding are vocabulary ids; the output is reduce-scattered to the
         # sequence-sharded residual stream.
@@ -69,6 +89,9 @@ def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if model.output is None:
         model.norm.register_forward_hook(_replicate_output)
     for block in model.layers:
-        parallelize_module(block, tp_mesh, _block_plan())
+        sparse = hasattr(block.feed_forward, "experts")
+        parallelize_module(block, tp_mesh, _block_plan(sparse))
         block.attention.register_forward_pre_hook(_gather_sequence(tp_mesh))
         block.feed_forward.register_forward_pre_hook(_gather_sequence(tp_mesh))
+        if sparse:
+            block.feed_forward.register_forward_hook(_keep_sequence_slice(tp_mesh))
