@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from titanite.kernels import registry
-from titanite.kernels.verify import DTYPES, FLOORS, Row, _oracle_dtype
+from titanite.kernels.verify import FLOORS, Row, _oracle_dtype, selected, skip_row
 
 # Every op has call sites here: layers 0 and 2 sparse (router, dispatch, experts), layer 1
 # dense (swiglu); untied head (the loss op on its own module).
@@ -103,34 +103,25 @@ def verify_call_sites(spec: str, ops: list[str] | None = None, impl: str | None 
                       progress: Callable[[Row], None] | None = None) -> list[Row]:
     """One Row per (op, implementation, dtype), as `verify.verify` gives for the op-level cases."""
     device = torch.device(device)
-    ops = ops or list(registry.OPS)
-    for op in ops:
-        registry.check_op(op)
-    if impl is not None and not any(impl in registry.implementations(op) for op in ops):
-        registry.get(ops[0], impl)  # raises, listing what exists
+    todo = list(selected(ops, impl, dtypes))  # unknown names fail before the model is built
     model = _Model(spec, device)
     references = {op: registry.REFERENCE for op in registry.OPS}
-    oracle_dtype = _oracle_dtype(device)
-    want = model.run(references, oracle_dtype)
+    want = model.run(references, _oracle_dtype(device))
     ref_error: dict[torch.dtype, tuple[float, float]] = {}
     case = f"{spec} model"
     rows: list[Row] = []
-    for op in ops:
-        for name, im in registry.implementations(op).items():
-            if (impl is None and name == registry.REFERENCE) or (impl is not None and name != impl):
-                continue
-            for dtype in dtypes or list(DTYPES.values()):
-                why = im.unavailable(device.type, dtype)
-                if why is not None:
-                    row = Row(op, name, registry.dtype_name(dtype), case, None, None, None, None, "skip", why)
-                else:
-                    if dtype not in ref_error:
-                        got = model.run(references, dtype)
-                        ref_error[dtype] = (_rel_err(got[0], want[0]), _rel_err(got[1], want[1]))
-                    row = _check(model, op, name, dtype, case, want, ref_error[dtype], references)
-                rows.append(row)
-                if progress:
-                    progress(row)
+    for op, name, im, dtype in todo:
+        why = im.unavailable(device.type, dtype)
+        if why is not None:
+            row = skip_row(op, name, dtype, case, why)
+        else:
+            if dtype not in ref_error:
+                got = model.run(references, dtype)
+                ref_error[dtype] = (_rel_err(got[0], want[0]), _rel_err(got[1], want[1]))
+            row = _check(model, op, name, dtype, case, want, ref_error[dtype], references)
+        rows.append(row)
+        if progress:
+            progress(row)
     return rows
 
 

@@ -11,7 +11,7 @@ accurate than the plain PyTorch it replaces, beyond rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -124,31 +124,43 @@ def check_case(op: str, impl: registry.Impl, case: Case, dtype: torch.dtype, ora
     return Row(op, impl.name, name, case.name, fwd, bwd, fwd_tol, bwd_tol, "pass" if ok else "FAIL", note)
 
 
-def verify(ops: list[str] | None = None, impl: str | None = None, device: torch.device | str = "cpu",
-           dtypes: list[torch.dtype] | None = None, progress: Callable[[Row], None] | None = None) -> list[Row]:
-    """Check implementations (all but the reference, or only `impl`) of `ops` (default all).
-    progress, when given, sees each row as soon as it is done."""
-    device = torch.device(device)
+def selected(ops: list[str] | None, impl: str | None, dtypes: list[torch.dtype] | None
+             ) -> Iterator[tuple[str, str, registry.Impl, torch.dtype]]:
+    """(op, implementation name, Impl, dtype) to check: all but the reference, or only `impl`,
+    of `ops` (default all), over `dtypes` (default all three). Unknown names raise first."""
     ops = ops or list(registry.OPS)
     for op in ops:
         registry.check_op(op)
     if impl is not None and not any(impl in registry.implementations(op) for op in ops):
         registry.get(ops[0], impl)  # raises, listing what exists
-    oracle = _oracle_dtype(device)
-    rows: list[Row] = []
     for op in ops:
         for name, im in registry.implementations(op).items():
             if (impl is None and name == registry.REFERENCE) or (impl is not None and name != impl):
                 continue
             for dtype in dtypes or list(DTYPES.values()):
-                why = im.unavailable(device.type, dtype)
-                if why is not None:
-                    new = [Row(op, name, registry.dtype_name(dtype), "-", None, None, None, None, "skip", why)]
-                else:
-                    new = [check_case(op, im, case, dtype, oracle) for case in verify_cases(op, dtype, device)]
-                rows += new
-                for row in new if progress else ():
-                    progress(row)
+                yield op, name, im, dtype
+
+
+def skip_row(op: str, name: str, dtype: torch.dtype, case: str, why: str) -> Row:
+    return Row(op, name, registry.dtype_name(dtype), case, None, None, None, None, "skip", why)
+
+
+def verify(ops: list[str] | None = None, impl: str | None = None, device: torch.device | str = "cpu",
+           dtypes: list[torch.dtype] | None = None, progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Check implementations (all but the reference, or only `impl`) of `ops` (default all).
+    progress, when given, sees each row as soon as it is done."""
+    device = torch.device(device)
+    oracle = _oracle_dtype(device)
+    rows: list[Row] = []
+    for op, name, im, dtype in selected(ops, impl, dtypes):
+        why = im.unavailable(device.type, dtype)
+        if why is not None:
+            new = [skip_row(op, name, dtype, "-", why)]
+        else:
+            new = [check_case(op, im, case, dtype, oracle) for case in verify_cases(op, dtype, device)]
+        rows += new
+        for row in new if progress else ():
+            progress(row)
     return rows
 
 
