@@ -182,5 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[argv[0]](argv[1:])
 
 
+def entry() -> None:
+    """The `titanite` console script and `python -m titanite.cli`."""
+    from titanite.parallel.distributed import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

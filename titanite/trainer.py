@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,7 @@ class Trainer:
                     signal.signal(s, handler)
         finally:
             self.metrics.close()
-            self.world.close()
+            self.world.close(in_step=sys.exc_info()[0] is None)
             self.close()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,28 @@ class World:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def close(self) -> None:
+    def close(self, in_step: bool = True) -> None:
+        """Tear the process group down. `in_step`: every rank got here on the same path (the
+        run finished or stopped together), so they meet at a barrier first and no rank tears
+        its connections down while a peer still talks to it; after a rank-local failure there
+        is no barrier (the peers may be gone)."""
         if self.size > 1 and dist.is_initialized():
+            if in_step:
+                dist.barrier()
             dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a command with `code`. A rank of a multi-process job exits without interpreter
+    finalisation: everything it writes is flushed and closed by then, and finalisation could
+    tear down the communication library's threads in an order that aborts the process
+    (SIGABRT, "terminate called without an active exception") after a run that succeeded."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def gather_texts(text: str) -> list[str]:
