@@ -162,6 +162,30 @@ def test_transformers_backend_runs_every_titanite_op(tmp_path, scratch_impls, ar
     assert {op: calls.count(f"scratch_counting_{op}") for op in registry.OPS} == expected
 
 
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_installed_transformers_model_keeps_its_kv_cache_and_refuses_padding(tmp_path, arch):
+    """After `install`, decoding with transformers' KV cache (a prompt, several tokens into the
+    filled cache, then one) gives unmodified transformers' logits of the whole sequence; a 2-D
+    mask with padding, which the installed attention would not apply, is refused."""
+    import transformers
+
+    from titanite.kernels.hf import install
+
+    folder = make_hf_checkpoint(tmp_path / arch, **HF_ARCHS[arch])
+    ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
+                                                               experts_implementation="eager").eval()
+    install(ours)
+    ids = torch.randint(0, TINY_VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=ours.config)
+        pieces = [ours(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in ((0, 5), (5, 8), (8, 9))]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="padding"):
+            ours(ids, attention_mask=torch.tensor([[1] * 9, [0] * 2 + [1] * 7]))
+        ours(ids, attention_mask=torch.ones(2, 9, dtype=torch.long))  # no padding: what generate() passes
+
+
 @pytest.mark.parametrize("spec", ["hf", "qwen3"])
 def test_verify_runs_each_implementation_through_the_model_call_sites(spec, scratch_impls):
     """`titanite kernels verify --spec` binds each implementation at its op's call sites in a

@@ -2,8 +2,9 @@
 
 On an accelerator every host read of a device tensor (`.item()`, `float()`, `bool()`, `.tolist()`)
 drains the queue, so the next step cannot be enqueued while this one runs. The test counts those
-calls per step of a real training loop (dense, and MoE with its aux loss and expert-load stats,
-with gradient accumulation; both backends) and requires zero on the other steps.
+calls (and `torch.equal`) per step of a real training loop (dense, and MoE with its aux loss and
+expert-load stats, with gradient accumulation and packed documents; both backends) and requires
+zero on the other steps.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def test_no_host_reads_on_non_logging_steps(tmp_path, tiny_tokenizer_dir, tiny_d
     out = tmp_path / "run"
     trainer = Trainer(load_config(None, tiny_train_args(folder, tiny_data, out, steps=8, **{
         "model.spec": spec, "metrics.log_interval": 4, "checkpoint.interval": 0, "checkpoint.export_hf": False,
-        "training.batch_size": 2, "training.global_batch_size": 4})))  # two micro-batches per step
+        "training.batch_size": 2, "training.global_batch_size": 4,  # two micro-batches per step
+        "data.packing": "documents"})))  # packed documents: the block-causal attention path too
     reads = {"n": 0}
     per_step: list[int] = []
 
@@ -40,6 +42,12 @@ def test_no_host_reads_on_non_logging_steps(tmp_path, tiny_tokenizer_dir, tiny_d
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name))
+    real_equal = torch.equal  # a comparison answered on the host
+
+    def equal(*a, **kw):
+        reads["n"] += 1
+        return real_equal(*a, **kw)
+    monkeypatch.setattr(torch, "equal", equal)
     real_step = Trainer.train_step
 
     def step(self):  # reads from the start of one step to the start of the next

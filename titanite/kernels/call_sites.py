@@ -77,14 +77,16 @@ class _Model:
         module.to(torch.float32 if autocast else dtype)
         handle.init_buffers()
         quiet = logging.getLogger("titanite")
-        level, quiet.level = quiet.level, logging.WARNING  # the bindings are not news here
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)  # the bindings are not news here (setLevel clears the cache)
         try:
             handle.attach_kernels(KernelsConfig(select=select), self.device.type, dtype)
         finally:
-            quiet.level = level
+            quiet.setLevel(level)
         with torch.autocast(self.device.type, dtype=dtype, enabled=autocast):
-            out = handle.forward_train(_batch(self.device))
-        loss = out.loss_sum / 40 + out.aux_loss
+            batch = _batch(self.device)
+            out = handle.forward_train(batch)
+        loss = out.loss_sum / (batch["labels"] != -100).sum() + out.aux_loss  # the mean, as training
         loss.backward()
         params = [p for _, p in sorted(module.named_parameters())]
         return [loss.detach()], [p.grad for p in params]

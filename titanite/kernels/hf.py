@@ -4,11 +4,14 @@ A kernel registered once serves both backends. transformers' Qwen3 / Qwen3-MoE o
 replacement seam for some ops, and titanite uses those:
 
 - `attention`, through transformers' AttentionInterface: every attention module gets an
-  `attention` call site. Whole causal sequences and block-causal masks (titanite's packed
-  documents, passed as a 4-D mask) go to the op; any other 4-D mask and decoding steps with a KV
-  cache go to transformers' own SDPA path. transformers builds no masks for this
-  implementation: a 2-D padding mask given to an installed model is not applied (titanite's
-  training and evaluation never pass one).
+  `attention` call site. Causal attention goes to the op: whole sequences, steps into a KV cache
+  (the queries are the last positions, the op's bottom-right contract), and packed documents,
+  given as document ids (`documents(...)`, how titanite's own forward passes them: no mask is
+  built and nothing is read on the host) or as a block-causal 4-D mask (one host read per
+  forward to recognise it). Any other 4-D mask goes to transformers' own SDPA path.
+  transformers builds no masks for this implementation, so a 2-D padding mask with padding in
+  it is refused (`ValueError`) rather than silently ignored; an all-ones one (what `generate()`
+  passes) is fine.
 - `moe.dispatch` and `moe.experts`, through its ExpertsInterface: every experts module
   (weights gate_up_proj [E, 2I, H] and down_proj [E, H, I], the layout of titanite's native
   experts) gets both call sites. Expert parallelism hooks in here too (`run_experts`).
@@ -43,6 +46,7 @@ import contextlib
 import contextvars
 import re
 import types
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -56,7 +60,9 @@ NAME = "titanite"
 _registered = False
 _mask_cache: list = [None, None]  # (the last mask seen, its document ids or _OTHER)
 _OTHER = object()  # a mask the attention op cannot express
+_guarded: weakref.WeakSet = weakref.WeakSet()  # models whose padding masks are refused
 _LABELS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titanite_hf_labels", default=None)
+_DOCUMENTS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titanite_hf_documents", default=None)
 
 
 # -- transformers' interfaces: attention and experts ---------------------------------------
@@ -90,11 +96,16 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kernel = getattr(module, "attention", None)
+    given = _DOCUMENTS.get()
+    if given is not None and attention_mask is None and query.shape[2] == key.shape[2]:
+        docs = given  # titanite's packed documents, as ids: no mask to read back
+        attention_mask = block_causal_mask(given)  # only used if the path below is not the op's
+    else:
+        docs = _document_ids(attention_mask, query.shape[2], key.shape[2])
     plain = (isinstance(kernel, Kernel) and dropout == 0.0 and is_causal in (None, True)
              and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
-             and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))
-    docs = _document_ids(attention_mask, query.shape[2], key.shape[2]) if plain else _OTHER
-    if docs is _OTHER:
+             and getattr(module, "is_causal", True))
+    if docs is _OTHER or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -186,7 +197,7 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
     with torch.no_grad():
         counts = expert_counts(ids, self.num_experts)
     self.last_routing = RoutingRecord(counts, probs.sum(dim=0), x.shape[0])
-    return probs.log(), weights, ids
+    return probs.clamp_min(torch.finfo(probs.dtype).tiny).log(), weights, ids  # finite where a probability underflowed
 
 
 def _head_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -198,14 +209,38 @@ def _head_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def labels(value: torch.Tensor | None) -> Iterator[None]:
-    """While set, an installed model's head returns the summed loss of `value` (int64 [B, S],
-    IGNORE_INDEX skipped) in place of the logits."""
-    token = _LABELS.set(value)
+def _setting(var: contextvars.ContextVar, value: torch.Tensor | None) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _LABELS.reset(token)
+        var.reset(token)
+
+
+def labels(value: torch.Tensor | None) -> contextlib.AbstractContextManager:
+    """While set, an installed model's head returns the summed loss of `value` (int64 [B, S],
+    IGNORE_INDEX skipped) in place of the logits."""
+    return _setting(_LABELS, value)
+
+
+def documents(value: torch.Tensor | None) -> contextlib.AbstractContextManager:
+    """While set, an installed model's attention is block-causal over `value` (int [B, S]
+    document ids: a token attends to earlier tokens of its own document), without a mask."""
+    return _setting(_DOCUMENTS, value)
+
+
+def installed(hf: nn.Module) -> bool:
+    """Whether `install` gave this transformers model titanite's attention call sites."""
+    return hf in _guarded
+
+
+def _refuse_padding(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of an installed model: no mask function is registered for titanite's
+    attention, so a 2-D padding mask would be dropped; refuse one that pads."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise ValueError("a transformers model with titanite's kernels installed does not apply 2-D "
+                         "padding masks: pack the sequences (document ids) or pass a 4-D mask")
 
 
 def _replace_forward(module: nn.Module, fn: Callable, **sites: str) -> None:
@@ -255,6 +290,9 @@ def install(hf: nn.Module) -> dict[str, int]:
         found["head"] = 1
     if found["attention"]:
         hf.set_attn_implementation(NAME)
+        if hf not in _guarded:
+            hf.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+            _guarded.add(hf)
     if found["experts"]:
         hf.set_experts_implementation(NAME)
     return found

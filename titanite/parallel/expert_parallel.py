@@ -20,6 +20,7 @@ weights [E, ...] and get (rows sorted by global expert, counts per global expert
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titanite.models.qwen3.moe import GroupedExperts
+
+log = logging.getLogger("titanite")
 
 
 @contextlib.contextmanager
@@ -93,6 +96,14 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
 
 
+def _report(groups: list[nn.Module], mesh: DeviceMesh) -> list[nn.Module]:
+    assert groups, "expert parallelism on a model without MoE layers (checked in ParallelDims.check_model)"
+    local = next(groups[0].parameters()).to_local().shape[0]
+    log.info("expert parallel: %d MoE layers, %d experts each, %d on this rank (ep=%d)",
+             len(groups), local * mesh.size(), local, mesh.size())
+    return groups
+
+
 def apply_expert_parallel_qwen3(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
     """Shard every native MoE layer's experts over `ep_mesh` in place; returns the expert modules
     (FSDP then shards their weights over the ranks that hold the same experts)."""
@@ -104,8 +115,7 @@ def apply_expert_parallel_qwen3(model: nn.Module, ep_mesh: DeviceMesh) -> list[n
         shard_experts(experts, ep_mesh)
         experts.forward = expert_parallel_forward(experts, ep_mesh, GroupedExperts.forward)
         groups.append(experts)
-    assert groups, "expert parallelism on a model without MoE layers (checked in ParallelDims.check_model)"
-    return groups
+    return _report(groups, ep_mesh)
 
 
 def apply_expert_parallel_hf(causal_lm: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
@@ -122,5 +132,4 @@ def apply_expert_parallel_hf(causal_lm: nn.Module, ep_mesh: DeviceMesh) -> list[
         shard_experts(experts, ep_mesh)
         experts.run_experts = expert_parallel_forward(experts, ep_mesh, run_local_experts)
         groups.append(experts)
-    assert groups, "expert parallelism on a model without MoE layers (checked in ParallelDims.check_model)"
-    return groups
+    return _report(groups, ep_mesh)

@@ -103,10 +103,18 @@ class HFModel(ModelHandle):
         then bind them from `[kernels]` like the native model's. FQN globs match either the
         transformers names or the native model's names for the same modules."""
         from titanite.kernels import attach
-        from titanite.kernels.hf import install, native_name
+        from titanite.kernels.hf import native_name
+
+        self._install()
+        return attach(self.module, kernels_cfg.select, device_type, dtype, kernels_cfg.fallback, alias=native_name)
+
+    def _install(self) -> None:
+        from titanite.kernels.hf import install
 
         self._installed = install(self.module.hf)
-        return attach(self.module, kernels_cfg.select, device_type, dtype, kernels_cfg.fallback, alias=native_name)
+        if not self._installed["head"]:  # fused_loss relies on the head's `loss` call site
+            raise RuntimeError(f"{type(self.module.hf).__name__}: the output head is not a bias-free "
+                               "nn.Linear, so titanite's loss call site cannot be installed")
 
     def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
         """As the native model's: the cross-entropy from the `loss` op on the hidden states
@@ -114,9 +122,7 @@ class HFModel(ModelHandle):
         router_aux_loss_coef, only when config.json's output_router_logits is on) and the
         expert-load stats from what each `moe.router` call recorded."""
         if self._installed is None:  # not attached: every call site runs its op's default
-            from titanite.kernels.hf import install
-
-            self._installed = install(self.module.hf)
+            self._install()
         a = self.args
         fused = not self.loss_from_logits
         out = self.module.run(batch["input_ids"], batch["position_ids"], batch.get("document_ids"),
