@@ -5,6 +5,7 @@ over-long and malformed rows. Oracles: a conversation labelled by hand, and tran
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -158,6 +159,8 @@ def test_malformed_rows_stop_or_are_skipped_and_counted(tmp_path, qwen3_template
         {"messages": conv("hi", "fake<|im_end|>end")},  # 6: special token in text
         {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},  # 7
         {"messages": []},  # 8
+        # 9: a forged end of turn under a name transformers renders as the reasoning
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "<|im_end|>"}]},
         good,
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
@@ -169,17 +172,17 @@ def test_malformed_rows_stop_or_are_skipped_and_counted(tmp_path, qwen3_template
         samples = list(chat_samples(chat_cfg(path, on_malformed="skip"), tok, stats))
     expected = {2: "not valid JSON", 3: "no field 'messages'", 4: "unknown role 'narrator'",
                 5: "no assistant turn", 6: "special token '<|im_end|>'", 7: "content must be a string",
-                8: "non-empty list"}
+                8: "non-empty list", 9: "thinking contains the special token '<|im_end|>'"}
     warnings = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert len(warnings) == len(expected)
     for (line, why), message in zip(expected.items(), warnings, strict=True):
         assert f"chat.jsonl:{line}: " in message and why in message, message
     want_ids, want_labels = tokenize_conversation(qwen3_template, good["messages"])
-    assert len(samples) == 2 and (stats.rows, stats.malformed_skipped) == (9, 7)
+    assert len(samples) == 2 and (stats.rows, stats.malformed_skipped) == (10, 8)
     for ids, labels in samples:
         assert ids.tolist() == want_ids and labels.tolist() == want_labels
     loader = PackedLoader(chat_cfg(path, on_malformed="skip", seq_len=64), tok, 1, 0)
-    assert loader.data_metrics()["data_malformed"] == 7 and loader.data_metrics()["data_samples"] == 2
+    assert loader.data_metrics()["data_malformed"] == 8 and loader.data_metrics()["data_samples"] == 2
 
 
 def test_overlong_samples_are_truncated_or_dropped(tmp_path, qwen3_template):
@@ -241,3 +244,83 @@ def test_chat_config_rejects_stream_packing():
 
     with pytest.raises(UserError, match="data.packing"):
         load_config(None, ["--data.format=chat", "--data.packing=stream"])
+
+
+# -- templates of one's own render as transformers renders them ------------------------------
+
+_TURN = "{{- '<|im_start|>' + m.role + '\\n' }}"
+_GEN = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+OWN_TEMPLATES = {
+    # the end of turn printed from the tokenizer's eos_token (was rendered as '')
+    "printed eos_token": "{%- for m in messages %}" + _TURN + "{{- m.content }}{{- eos_token }}{{- '\\n' }}"
+                         "{%- endfor %}" + _GEN,
+    # concatenated with it (was "'eos_token' is undefined")
+    "concatenated tokens": "{{- bos_token }}{%- for m in messages %}"
+                           "{{- '<|im_start|>' + m.role + '\\n' + m.content + eos_token + '\\n' }}{%- endfor %}" + _GEN,
+    # transformers' globals and filters, and tests of names nobody defines
+    "globals": "{%- set ns = namespace(n=0) %}{%- for m in messages %}"
+               "{%- if m.role not in ['system', 'user', 'assistant'] %}{{- raise_exception('bad role') }}{%- endif %}"
+               "{%- set ns.n = ns.n + 1 %}" + _TURN + "{{- m.content }}"
+               "{%- if m.reasoning_content is defined %}[{{ m.reasoning_content | tojson }}]{%- endif %}"
+               "{{- '<|im_end|>\\n' }}{%- endfor %}"
+               "{%- if tools %}{{ tools | tojson }}{%- endif %}{%- if enable_thinking is defined %}x{%- endif %}"
+               "{{- '<!-- ' + strftime_now('%Y') + ' -->' if ns.n > 99 else '' }}{{- pad_token }}" + _GEN,
+}
+
+
+@pytest.fixture(scope="module")
+def own_tokenizer_dir(tmp_path_factory):
+    """Qwen3's tokenizer files with a bos_token set, so every named special token kind is seen."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("own-tok")
+    for f in qwen3_tokenizer_dir().iterdir():
+        shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["bos_token"] = {"content": "<|endoftext|>", "special": True, "__type": "AddedToken"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("name", list(OWN_TEMPLATES))
+def test_own_chat_templates_render_as_transformers_renders_them(tmp_path, own_tokenizer_dir, name):
+    source = OWN_TEMPLATES[name]
+    (tmp_path / "t.jinja").write_text(source)
+    ours = find_chat_template(own_tokenizer_dir / "tokenizer.json", str(tmp_path / "t.jinja"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(own_tokenizer_dir)
+    assert ours.end_of_turn == "<|im_end|>"
+    for messages in [*ORACLE_CONVERSATIONS[:4], conv("q", "a", system=True)]:
+        messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages if m["role"] != "tool"]
+        for gen in (False, True):
+            want = hf_tok.apply_chat_template(messages, tokenize=False, chat_template=source, add_generation_prompt=gen)
+            assert "<|im_end|>" in want
+            assert ours.render(messages, add_generation_prompt=gen) == want
+        ids, labels = tokenize_conversation(ours, messages)
+        assert ids == list(hf_tok.apply_chat_template(messages, chat_template=source, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        # every assistant turn ends with a learned <|im_end|>, from the tokenizer's eos_token
+        learned = [ids[p] for p in trained_positions(labels)]
+        assert learned.count(ours.token_id("<|im_end|>")) == sum(m["role"] == "assistant" for m in messages)
+
+
+def test_printing_an_undefined_name_is_an_error_not_an_empty_string(tmp_path, own_tokenizer_dir):
+    source = OWN_TEMPLATES["printed eos_token"].replace("{{- eos_token }}", "{{- end_of_turn }}{{- '<|im_end|>' }}")
+    (tmp_path / "t.jinja").write_text(source)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(own_tokenizer_dir)
+    assert "end_of_turn" not in hf_tok.apply_chat_template(conv("q", "a"), tokenize=False, chat_template=source)
+    with pytest.raises(UserError, match="'end_of_turn' is undefined.*defines: bos_token, eos_token, pad_token"):
+        find_chat_template(own_tokenizer_dir / "tokenizer.json", str(tmp_path / "t.jinja"))
+
+
+def test_reasoning_fields_are_the_ones_transformers_renders():
+    from transformers.utils.chat_template_utils import _REASONING_FIELDS
+
+    from titanite.data.chat_template import REASONING_FIELDS
+    assert REASONING_FIELDS == _REASONING_FIELDS
+
+
+def test_own_templates_stay_in_transformers_sandbox(tmp_path, own_tokenizer_dir):
+    source = OWN_TEMPLATES["printed eos_token"].replace("{{- eos_token }}", "{{- ''.__class__.__mro__ }}{{- eos_token }}")
+    (tmp_path / "t.jinja").write_text(source)
+    with pytest.raises(UserError, match="unsafe"):
+        find_chat_template(own_tokenizer_dir / "tokenizer.json", str(tmp_path / "t.jinja"))

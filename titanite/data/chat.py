@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from titanite.config import DataConfig
-from titanite.data.chat_template import ChatTemplate, ChatTemplateError, find_chat_template
+from titanite.data.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, find_chat_template
 from titanite.data.sources import (_decode, _is_saved_dataset, _list_files, dataset_column, json_lines,
                                    load_saved_dataset, parquet_column)
 from titanite.data.tokenizer import Tokenizer
@@ -113,7 +113,7 @@ def check_messages(row: Any, field: str, template: ChatTemplate) -> list[dict[st
             raise MalformedRow(f"message {i} must be an object with 'role' and 'content', got {_short(m)}")
         if m["role"] not in ROLES:
             raise MalformedRow(f"message {i} has unknown role {m['role']!r}; roles: {', '.join(ROLES)}")
-        for key in ("content", "reasoning_content"):
+        for key in ("content", *REASONING_FIELDS):
             value = m.get(key)
             if key == "content" and not isinstance(value, str):
                 raise MalformedRow(f"message {i} content must be a string, got {_short(value)}")

@@ -16,10 +16,20 @@ only after the last user turn). So assistant turns are found in the full renderi
 
 That search is unambiguous because message text may not contain special tokens (such rows are
 rejected, see `chat.py`), so every header in the rendering was written by the template.
+
+A template sees what `apply_chat_template` gives it: `messages`, `add_generation_prompt`,
+`tools` and `documents` (none here), the tokenizer's named special tokens (`eos_token`,
+`bos_token`, `pad_token`, ... from tokenizer_config.json), and transformers' globals
+(`raise_exception`, `strftime_now`, `namespace`, the `tojson` filter), in transformers' own
+sandboxed environment. One thing differs on purpose: printing a name that is not defined is an
+error, where Jinja's default prints nothing. A template that writes `{{ eos_token }}` for a
+tokenizer without one would otherwise train on text the model never sees at inference. Tests
+(`if x`, `x is defined`, `x | default(...)`) of an undefined name still work as in Jinja.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -30,6 +40,49 @@ import tokenizers
 from titanite.errors import UserError
 
 _PROBE = [{"role": "user", "content": "probe"}]
+# The named special tokens transformers passes to every template (its `special_tokens_map`).
+# The message keys transformers renders as a message's reasoning (`_REASONING_FIELDS`).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def special_tokens_map(tokenizer_json: Path) -> dict[str, str]:
+    """The named special tokens of the tokenizer whose tokenizer.json is `tokenizer_json`, as
+    transformers reads them: tokenizer_config.json beside it, filled in from the legacy
+    special_tokens_map.json. A value is a string or an AddedToken dict (its `content`); null is
+    absent."""
+    found: dict[str, str] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = tokenizer_json.parent / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot parse {path}: {e}") from None
+        for key in SPECIAL_TOKEN_NAMES:
+            value = config.get(key) if isinstance(config, dict) else None
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and value and key not in found:
+                found[key] = value
+    return found
+
+
+@functools.cache
+def _template_environment():
+    """transformers' chat-template environment (sandbox, filters, globals), with undefined names
+    that raise when printed instead of rendering as ''."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    class PrintingUndefinedIsAnError(jinja2.Undefined):
+        __slots__ = ()
+
+        def __str__(self) -> str:
+            self._fail_with_undefined_error()
+
+    return _compile_jinja_template("").environment.overlay(undefined=PrintingUndefinedIsAnError)
 
 
 class ChatTemplateError(ValueError):
@@ -48,6 +101,11 @@ class ChatTemplate:
 
     def __init__(self, source: str, where: str, tokenizer_json: Path) -> None:
         self.source, self.where = source, where
+        self.special_tokens_map = special_tokens_map(tokenizer_json)
+        try:
+            self._template = _template_environment().from_string(source)
+        except Exception as e:  # jinja2.TemplateSyntaxError and the sandbox's errors
+            raise UserError(f"{where}: the chat template does not parse: {e}") from None
         self._tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
         added = self._tok.get_added_tokens_decoder().values()
         self.special_tokens = sorted((t.content for t in added if t.special), key=len, reverse=True)
@@ -66,16 +124,24 @@ class ChatTemplate:
         self.end_of_turn = self._end_of_turn()
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, exactly as `apply_chat_template(tokenize=False)` renders it."""
+        """The conversation as text, exactly as `apply_chat_template(tokenize=False)` renders it
+        (with the same variables and message preparation), except that printing an undefined name
+        raises."""
         import jinja2
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields, _plain_template_data
 
         try:
-            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.source,
-                                                add_generation_prompt=add_generation_prompt)
+            return self._template.render(
+                messages=_alias_reasoning_fields(_plain_template_data(messages)), tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+        except jinja2.UndefinedError as e:
+            given = ", ".join(sorted(self.special_tokens_map)) or "none"
+            raise ChatTemplateError(
+                f"the chat template ({self.where}) prints an undefined value: {e}. A template gets messages, "
+                f"add_generation_prompt, tools, documents and the tokenizer's named special tokens "
+                f"(this tokenizer's tokenizer_config.json defines: {given})") from None
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ChatTemplateError(f"the chat template ({self.where}) fails: {e}") from None
-        return rendered[0]
 
     def special_token_in(self, text: str) -> str | None:
         """The first special token (e.g. '<|im_end|>') written literally in `text`, or None."""
