@@ -17,7 +17,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
 from titanite import kernels  # noqa: E402
-from titanite.kernels import registry  # noqa: E402
 from titanite.kernels.verify import verify  # noqa: E402
 
 BUILTIN = {("attention", "sdpa"), ("moe.dispatch", "gather"), ("rms_norm", "triton"), ("swiglu", "triton"), ("moe.experts", "grouped_mm"),
