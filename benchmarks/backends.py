@@ -123,7 +123,8 @@ class HandLoop:
                                      **({"fused": True} if fused else {"foreach": True}))
         self.autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
                          else contextlib.nullcontext())
-        self.loader = copy.deepcopy(weights_from.loader)  # the same windows, in the same order
+        # the same windows, in the same order (the loader itself, not its prefetching thread)
+        self.loader = copy.deepcopy(getattr(weights_from.loader, "loader", weights_from.loader))
 
     def train_step(self):
         b = self.loader.next_batch()

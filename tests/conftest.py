@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, 
 
 # Keep the 2-core CI machine responsive and results reproducible.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# Token stores (data.cache_dir's default) and the measured CPU peak go to one folder per test
+# session, inherited by every process a test starts, never to the user's ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="titanite-tests-cache-")
 
 
 def corpus_texts(n: int = 200) -> list[str]:

@@ -163,13 +163,16 @@ def test_hub_dataset_uses_name_and_split(monkeypatch):
 
     calls = []
 
-    def fake_load(name, split):
-        calls.append((name, split))
-        return datasets.Dataset.from_dict({"text": ["h1", "h2"]})
+    def fake_load(name, split, streaming=False):
+        calls.append((name, split, streaming))
+        ds = datasets.Dataset.from_dict({"text": ["h1", "h2"]})
+        return ds.to_iterable_dataset() if streaming else ds
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     assert read(dataset_name="org/corpus", split="validation")[0] == ["h1", "h2"]
-    assert calls == [("org/corpus", "validation")]
+    # data.streaming reads the hub dataset in datasets' streaming mode
+    assert read(dataset_name="org/corpus", split="validation", streaming=True)[0] == ["h1", "h2"]
+    assert calls == [("org/corpus", "validation", False), ("org/corpus", "validation", True)]
     with pytest.raises(UserError, match="only one of data.path"):
         read(dataset_name="org/corpus", path="x")
 

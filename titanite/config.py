@@ -94,6 +94,10 @@ class DataConfig:
     chat_template: str = _f("", "chat: a .jinja file with the chat template; empty = the tokenizer's own (chat_template.jinja or tokenizer_config.json).")
     chat_loss: str = _f("assistant", "chat: which tokens carry loss: 'assistant' (every assistant turn, end-of-turn token included), 'last_assistant' (the final turn only) or 'all'.",
                         choices=("assistant", "last_assistant", "all"))
+    sources: list[dict] = _f([], "A weighted mixture instead of data.path: [[data.sources]] tables with path (as data.path), weight (> 0; the share of sequences drawn from it, normalised over the sources), and optionally name (for metrics; default the file name), format, text_field and glob (default: this section's). Each source has its own token store and epochs; the draw is deterministic from job.seed.")
+    streaming: bool = _f(False, "Read and tokenize the source while training instead of preparing a token store (for data too big to prepare; a hub dataset is read in datasets' streaming mode): in order, no shuffling, 'stream' packing. The position is in every checkpoint, so resume is exact. Every data-parallel rank reads the whole stream.")
+    prefetch: int = _f(2, "Batches made ahead in a background thread (pinned on CUDA), so a step does not wait on data; 0 = made in the training loop.")
+    cache_dir: str = _f("", "Folder of token stores: each source is tokenized once into a memory-mapped store there, keyed by its files and the tokenizer, and reused by later runs and every rank. Empty = $XDG_CACHE_HOME/titanite/tokens (~/.cache/titanite/tokens). `titanite data prepare` fills it ahead of time, in parallel.")
     on_malformed: str = _f("error", "chat: a row that is not JSON, lacks messages, has an unknown role, no assistant turn or special tokens in its text: 'error' (stop, naming file and line) or 'skip' (counted in metrics).",
                            choices=("error", "skip"))
 
@@ -198,6 +202,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             value = [v.strip("'\"") for v in value]
         if isinstance(value, list):
             return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    elif typ is dict:  # a table whose keys are checked by validate()
+        if isinstance(value, dict):
+            return dict(value)
     elif origin is dict:
         if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
             return dict(value)
@@ -297,9 +304,15 @@ def validate(cfg: Config) -> None:
     if not 0 < t.decay_ratio <= 1:
         raise UserError(f"config key 'training.decay_ratio' must be in (0, 1], got {t.decay_ratio}")
     positive("model.init_std", cfg.model.init_std, allow_zero=True)
+    validate_sources(d)
+    positive("data.prefetch", d.prefetch, allow_zero=True)
     positive("model.moe_bias_update_rate", cfg.model.moe_bias_update_rate, allow_zero=True)
     positive("data.seq_len", d.seq_len)
     positive("data.max_files", d.max_files, allow_zero=True)
+    if d.streaming and (d.format == "chat" or d.packing in ("documents", "pad") or d.sources):
+        raise UserError("config key 'data.streaming': streaming reads plain text documents into the 'stream' "
+                        f"packing of one source, not data.format = {d.format!r} / data.packing = {d.packing!r}"
+                        f"{' / data.sources' if d.sources else ''}; prepare the data instead (titanite data prepare)")
     if d.format == "chat" and d.packing == "stream":
         raise UserError("config key 'data.packing': 'stream' cannot keep chat samples apart; use "
                         "'documents' or 'pad' with data.format = 'chat'")
@@ -349,3 +362,40 @@ def help_text() -> str:
             lines.append(f"  {f.name} ({tname}, default {default!r}): {f.metadata.get('help', '')}")
         lines.append("")
     return "\n".join(lines)
+
+
+# The keys a [[data.sources]] table may set (anything else in [data] is shared by all sources).
+SOURCE_KEYS = {"path": str, "weight": float, "name": str, "format": str, "text_field": str, "glob": str}
+
+
+def validate_sources(d: DataConfig) -> None:
+    """data.sources: each table names a path and a positive weight; names are unique."""
+    if not d.sources:
+        return
+    if d.path or d.dataset_name:
+        raise UserError("set either data.path / data.dataset_name or data.sources (a mixture), not both; "
+                        f"data.path = {d.path!r}, data.dataset_name = {d.dataset_name!r}")
+    names = set()
+    formats = dataclasses.fields(DataConfig)[[f.name for f in dataclasses.fields(DataConfig)].index("format")]
+    for i, src in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        unknown = sorted(set(src) - set(SOURCE_KEYS))
+        if unknown:
+            raise UserError(f"config key '{key}': unknown key {unknown[0]!r}{did_you_mean(unknown[0], SOURCE_KEYS)}; "
+                            f"a source sets {', '.join(SOURCE_KEYS)}")
+        for k, typ in SOURCE_KEYS.items():
+            if k in src:
+                src[k] = _coerce(f"{key}.{k}", src[k], typ)
+        if not src.get("path"):
+            raise UserError(f"config key '{key}.path' is missing: every source names its data")
+        if "weight" not in src:
+            raise UserError(f"config key '{key}.weight' is missing: every source of a mixture needs a weight > 0")
+        if not math.isfinite(src["weight"]) or src["weight"] <= 0:
+            raise UserError(f"config key '{key}.weight' must be a finite number > 0, got {src['weight']}")
+        if src.get("format", d.format) not in formats.metadata["choices"]:
+            raise UserError(f"config key '{key}.format': {src['format']!r} is not one of "
+                            f"{', '.join(map(repr, formats.metadata['choices']))}")
+        src.setdefault("name", Path(src["path"]).stem or f"source{i}")
+        if src["name"] in names:
+            raise UserError(f"config key '{key}.name': {src['name']!r} names two sources; give each a distinct name")
+        names.add(src["name"])

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from titanite.config import Config
-from titanite.data.packing import SampleWindows, StreamWindows, build_sample_windows, pack_documents, packing_mode
+from titanite.data.packing import SampleWindows, StreamWindows, pack
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 from titanite.kernels import IGNORE_INDEX
@@ -44,14 +44,8 @@ class Evaluator:
         e = cfg.eval
         assert e.path, "Evaluator needs eval.path"
         self.interval, self.total_steps = e.interval, cfg.training.steps
-        data = dataclasses.replace(cfg.data, path=e.path, dataset_name="")
-        mode = packing_mode(data)
-        self.windows: StreamWindows | SampleWindows
-        if mode == "stream":
-            tokens, _ = pack_documents(data, tokenizer)
-            self.windows = StreamWindows(tokens, data.seq_len)
-        else:
-            self.windows, _, _ = build_sample_windows(data, tokenizer, mode)
+        data = dataclasses.replace(cfg.data, path=e.path, dataset_name="", sources=[])
+        self.windows: StreamWindows | SampleWindows = pack(data, tokenizer).windows
         if len(self.windows) == 0:
             raise UserError(f"eval.path = {e.path!r} has fewer than data.seq_len + 1 = "
                             f"{data.seq_len + 1} tokens: not one sequence to evaluate on")

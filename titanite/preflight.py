@@ -15,7 +15,8 @@ rule, and leaves the output folder as it was. What it checks:
   pickle weights is refused with how to convert), names, shapes, dtypes and sizes from the
   headers;
 - the tokenizer against the vocabulary: its largest id, added and special tokens included,
-  must be below the model's vocab_size;
+  must be below the model's vocab_size; so must a token store's named by data.path or
+  eval.path, and otherwise the store cache (data.cache_dir) must be writable;
 - the batch layout (global batch a multiple of per-rank batch x data-parallel ranks) and that
   the model supports the packing asked for.
 
@@ -37,6 +38,7 @@ from titanite import device as devices
 from titanite import kernels
 from titanite.checkpoint.training_state import list_checkpoints
 from titanite.config import Config, KernelsConfig, ModelConfig
+from titanite.data import store as token_store
 from titanite.data.packing import packing_mode
 from titanite.data.sources import STDLIB
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
@@ -94,6 +96,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
         handle.check_hf(weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
+    check_data_stores(cfg, hf_config["vocab_size"])
     if packing_mode(cfg.data) == "documents" and not handle.supports_document_masks:
         raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
@@ -141,6 +144,9 @@ def check_input_paths(cfg: Config) -> None:
     d = cfg.data
     if d.path and d.path != STDLIB and not d.dataset_name:
         require_regular(d.path, "data.path")
+    for i, src in enumerate(d.sources):
+        if src["path"] != STDLIB:
+            require_regular(src["path"], f"data.sources[{i}].path")
     if cfg.eval.path:
         require_regular(cfg.eval.path, "eval.path")
     if d.tokenizer and d.tokenizer != "qwen3":
@@ -177,6 +183,23 @@ def weights_to_load(m: ModelConfig) -> str | None:
         raise UserError(f"config key 'model.init' is 'pretrained' but {folder} has no *.safetensors")
     log.info("model.hf_path %s has no weights: random init from its config.json", folder)
     return None
+
+
+def check_data_stores(cfg: Config, vocab_size: int) -> None:
+    """A token store named by data.path or eval.path must hold ids below the model's vocab_size;
+    otherwise the store cache (data.cache_dir) must be a folder this process can write."""
+    paths = [("data.path", cfg.data.path), ("eval.path", cfg.eval.path)]
+    paths += [(f"data.sources[{i}].path", src["path"]) for i, src in enumerate(cfg.data.sources)]
+    named = [(key, Path(p).expanduser()) for key, p in paths
+             if p and p != STDLIB and Path(p).expanduser().is_dir() and token_store.is_store(Path(p).expanduser())]
+    for key, path in named:
+        max_id = token_store.stored_max_id(path)
+        if max_id >= vocab_size:
+            raise UserError(f"{key}: the token store {path} holds ids up to {max_id}, but the model's vocab_size "
+                            f"is {vocab_size}: every id must be below it. Prepare the store with this model's "
+                            "tokenizer, or pick the model it was made for")
+    if len(named) < sum(1 for _, p in paths if p) + bool(cfg.data.dataset_name):
+        check_writable_folder(token_store.cache_dir(cfg.data), "data.cache_dir")
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:

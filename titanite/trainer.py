@@ -25,7 +25,8 @@ from titanite.checkpoint import training_state
 from titanite.checkpoint.finite import FiniteWatch, all_finite, first_nonfinite, optimizer_tensors
 from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
-from titanite.data.loader import PackedLoader
+from titanite.data.loader import make_loader
+from titanite.data.prefetch import Prefetcher
 from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
@@ -90,8 +91,10 @@ class Trainer:
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
         self.config_toml = to_toml(cfg)
-        self.loader = PackedLoader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
-                                   rank=self.world.dp_rank, world_size=self.world.dp_size)
+        self.loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
+                                  rank=self.world.dp_rank, world_size=self.world.dp_size)
+        if cfg.data.prefetch:
+            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=self.device.type == "cuda")
         self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
                           if cfg.eval.path else None)
         self.step = 0
@@ -128,6 +131,8 @@ class Trainer:
         """Release the output folder's lock (train() does this itself; call it after driving
         train_step by hand). `remove_empty_output`: also remove a folder this run created and
         never wrote into."""
+        if isinstance(getattr(self, "loader", None), Prefetcher):
+            self.loader.close()
         if self.lock is not None:
             self.lock.release(remove_folder_if_empty=remove_empty_output)
             self.lock = None

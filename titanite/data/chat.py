@@ -24,7 +24,7 @@ import numpy as np
 
 from titanite.config import DataConfig
 from titanite.data.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, find_chat_template
-from titanite.data.sources import (_decode, _is_saved_dataset, _list_files, dataset_column, json_lines,
+from titanite.data.sources import (_decode, _is_saved_dataset, dataset_column, json_lines, path_files,
                                    load_saved_dataset, parquet_column)
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
@@ -33,7 +33,7 @@ from titanite.kernels.reference_ops import IGNORE_INDEX  # the labels the loss s
 log = logging.getLogger("titanite")
 
 ROLES = ("system", "user", "assistant", "tool")
-_CHAT_GLOBS = ("**/*.jsonl", "**/*.parquet")
+CHAT_GLOBS = ("**/*.jsonl", "**/*.parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 _WARN_FIRST = 10  # malformed rows named in the log before only counting
 
@@ -130,24 +130,52 @@ def chat_samples(cfg: DataConfig, tokenizer: Tokenizer,
                  stats: ChatStats) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Every usable conversation of the configured source, as (ids, labels) int32 arrays [T].
 
-    Over-long samples are returned whole: fitting them to seq_len is packing's job.
+    Over-long samples are returned whole: fitting them to seq_len is packing's job. (The token
+    store runs the same three steps with tokenize_row in worker processes.)
     """
     template = load_chat_template(cfg, tokenizer)
-    for where, row in _rows(cfg, stats):
+    for where, row in chat_rows(cfg, stats):
+        sample = apply_policy(cfg, tokenize_row(template, cfg, where, row), stats)
+        if sample is not None:
+            yield sample
+    finish_policy(stats)
+
+
+def chat_rows(cfg: DataConfig, stats: ChatStats) -> Iterator[tuple[str, Any]]:
+    """(where, row) of every row of the source, in order, counted in stats.rows."""
+    for item in _rows(cfg, stats):
         stats.rows += 1
-        try:
-            if isinstance(row, MalformedRow):
-                raise row
-            messages = check_messages(row, cfg.messages_field, template)
-            ids, labels = tokenize_conversation(template, messages, cfg.chat_loss)
-        except MalformedRow as e:
-            if cfg.on_malformed == "error":
-                raise UserError(f"{where}: {e} (set data.on_malformed = 'skip' to leave such rows out)") from None
-            stats.malformed_skipped += 1
-            if stats.malformed_skipped <= _WARN_FIRST:
-                log.warning("skipping malformed chat row %s: %s", where, e)
-            continue
-        yield np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
+        yield item
+
+
+def tokenize_row(template: ChatTemplate, cfg: DataConfig, where: str, row: Any
+                 ) -> tuple[np.ndarray, np.ndarray] | tuple[str, MalformedRow]:
+    """One row as (ids, labels) int32 arrays, or (where, MalformedRow) saying why it cannot be."""
+    try:
+        if isinstance(row, MalformedRow):
+            raise row
+        messages = check_messages(row, cfg.messages_field, template)
+        ids, labels = tokenize_conversation(template, messages, cfg.chat_loss)
+    except MalformedRow as e:
+        return where, e
+    return np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
+
+
+def apply_policy(cfg: DataConfig, result: Any, stats: ChatStats) -> tuple[np.ndarray, np.ndarray] | None:
+    """data.on_malformed applied to a tokenize_row result: the sample, None (skipped, counted and
+    the first few named in the log), or UserError naming file and line."""
+    first, second = result
+    if not isinstance(second, MalformedRow):
+        return first, second
+    if cfg.on_malformed == "error":
+        raise UserError(f"{first}: {second} (set data.on_malformed = 'skip' to leave such rows out)")
+    stats.malformed_skipped += 1
+    if stats.malformed_skipped <= _WARN_FIRST:
+        log.warning("skipping malformed chat row %s: %s", first, second)
+    return None
+
+
+def finish_policy(stats: ChatStats) -> None:
     if stats.malformed_skipped > _WARN_FIRST:
         log.warning("skipped %d malformed chat rows in all", stats.malformed_skipped)
 
@@ -167,8 +195,7 @@ def _rows(cfg: DataConfig, stats: ChatStats) -> Iterator[tuple[str, Any]]:
         stats.files += 1
         yield from _dataset_rows(path, cfg)
         return
-    files = _list_files(path, (cfg.glob,) if cfg.glob else _CHAT_GLOBS, cfg) if path.is_dir() else [path]
-    for f in files[: cfg.max_files or None]:
+    for f in path_files(path, cfg, CHAT_GLOBS):
         kind = _SUFFIXES.get(f.suffix.lower())
         if kind is None:
             raise UserError(f"{f}: data.format = 'chat' reads .jsonl or .parquet files, not '{f.suffix}'")

@@ -8,22 +8,29 @@ orders the windows (a seeded permutation, or sequentially) and serves them in gl
 of G = batch_size * world_size windows; data-parallel rank r takes the r-th contiguous
 batch_size share of each. The position is kept in global batches, so a checkpoint taken on
 one world size resumes on another with the same global sample order.
+
+The windows come from the source's token store (store.py), memory-mapped. `make_loader` picks
+this loader, a weighted mixture of sources (mixture.py) or a stream tokenized while training
+(streaming.py); the trainer wraps whichever it gets in a prefetching thread (prefetch.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from titanite.config import DataConfig
-from titanite.data.packing import (SampleWindows, StreamWindows, build_sample_windows, pack_documents,
-                                   packing_mode)
+from titanite.data.packing import SampleWindows, StreamWindows, pack, packing_mode
 from titanite.data.sources import describe_source
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
+
+if TYPE_CHECKING:
+    from titanite.data.mixture import MixtureLoader
+    from titanite.data.streaming import StreamingLoader
 
 log = logging.getLogger("titanite")
 
@@ -51,15 +58,10 @@ class PackedLoader:
         self.global_batch_size = batch_size * world_size
 
         self.packing = packing_mode(cfg)
-        self.sample_stats = None
-        self.windows: StreamWindows | SampleWindows
-        if self.packing == "stream":
-            tokens, self.stats = pack_documents(cfg, tokenizer)
-            self.num_tokens = len(tokens)
-            self.windows = StreamWindows(tokens, cfg.seq_len)
-        else:
-            self.windows, self.stats, self.sample_stats = build_sample_windows(cfg, tokenizer, self.packing)
-            self.num_tokens = self.sample_stats.tokens
+        packed = pack(cfg, tokenizer, self.packing)
+        self.windows: StreamWindows | SampleWindows = packed.windows
+        self.store, self.stats, self.sample_stats = packed.store, packed.source_stats, packed.sample_stats
+        self.num_tokens = packed.num_tokens
         self.num_windows = len(self.windows)
         self.batches_per_epoch = self.num_windows // self.global_batch_size
         if self.batches_per_epoch == 0:
@@ -148,6 +150,10 @@ class PackedLoader:
 
         Raises UserError when the data, seq_len or batch layout make the old position meaningless.
         """
+        if state.get("kind") in ("mixture", "streaming"):
+            raise UserError(f"the checkpoint's data position is of a {state['kind']} (data.sources / data.streaming), "
+                            "but this run reads one prepared source; resume with the data settings the run was "
+                            "started with")
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise UserError(f"checkpoint data-loader state lacks {missing}: not a PackedLoader state")
@@ -176,3 +182,18 @@ class PackedLoader:
 def _mix_seed(seed: int, epoch: int) -> int:
     """One 64-bit generator seed per (seed, epoch); a golden-ratio multiply keeps pairs apart."""
     return (seed * 0x9E3779B97F4A7C15 + epoch) % 2**64
+
+
+def make_loader(cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, seed: int, rank: int = 0,
+                world_size: int = 1) -> PackedLoader | MixtureLoader | StreamingLoader:
+    """The training loader for `[data]`: a mixture when data.sources is set, a stream when
+    data.streaming is, else one prepared source."""
+    if cfg.sources:
+        from titanite.data.mixture import MixtureLoader
+
+        return MixtureLoader(cfg, tokenizer, batch_size, seed, rank, world_size)
+    if cfg.streaming:
+        from titanite.data.streaming import StreamingLoader
+
+        return StreamingLoader(cfg, tokenizer, batch_size, seed, rank, world_size)
+    return PackedLoader(cfg, tokenizer, batch_size, seed, rank, world_size)

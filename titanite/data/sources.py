@@ -75,12 +75,8 @@ def _path_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str | None]
     if not cfg.path:
         raise UserError("no data: set data.path (a file, a folder, or '<stdlib>') or data.dataset_name")
     if cfg.path == STDLIB:
-        root = Path(sysconfig.get_paths()["stdlib"])
         fmt = "text" if cfg.format == "auto" else cfg.format
-        # The stdlib folder can hold site-packages: installed third-party code, not the stdlib.
-        files = [f for f in _list_files(root, (cfg.glob or "**/*.py",), cfg)
-                 if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)]
-        yield from _read_files(files[: cfg.max_files or None], fmt, cfg, stats)
+        yield from _read_files(_stdlib_files(cfg), fmt, cfg, stats)
         return
     path = Path(cfg.path).expanduser()
     if not path.exists():
@@ -91,12 +87,38 @@ def _path_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str | None]
     if cfg.format == "dataset":
         raise UserError(f"data.path: {path} is not a datasets save_to_disk folder (data.format = "
                         "'dataset' needs dataset_info.json + state.json, or dataset_dict.json)")
-    if path.is_dir():
-        globs = (cfg.glob,) if cfg.glob else DEFAULT_GLOBS[cfg.format]
-        files = _list_files(path, globs, cfg)[: cfg.max_files or None]
-    else:
-        files = [path]
-    yield from _read_files(files, cfg.format, cfg, stats)
+    yield from _read_files(path_files(path, cfg, DEFAULT_GLOBS[cfg.format]), cfg.format, cfg, stats)
+
+
+def _stdlib_files(cfg: DataConfig) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    # The stdlib folder can hold site-packages: installed third-party code, not the stdlib.
+    files = [f for f in _list_files(root, (cfg.glob or "**/*.py",), cfg)
+             if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)]
+    return files[: cfg.max_files or None]
+
+
+def path_files(path: Path, cfg: DataConfig, default_globs: tuple[str, ...]) -> list[Path]:
+    """The files of data.path that are read: the file itself, or a folder's files matching
+    data.glob (else `default_globs`), sorted, at most data.max_files."""
+    if not path.is_dir():
+        return [path]
+    return _list_files(path, (cfg.glob,) if cfg.glob else default_globs, cfg)[: cfg.max_files or None]
+
+
+def input_files(cfg: DataConfig, default_globs: tuple[str, ...] | None = None) -> list[Path]:
+    """Every local file the configured source reads, in reading order: what a token store of it
+    is keyed on. A datasets folder counts whole; a hub dataset (data.dataset_name) has none."""
+    if cfg.dataset_name:
+        return []
+    if cfg.path == STDLIB:
+        return _stdlib_files(cfg)
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise UserError(f"data.path: {path} does not exist")
+    if path.is_dir() and cfg.format in ("auto", "dataset", "chat") and _is_saved_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return path_files(path, cfg, default_globs or DEFAULT_GLOBS.get(cfg.format, DEFAULT_GLOBS["auto"]))
 
 
 def _list_files(root: Path, globs: Iterable[str], cfg: DataConfig) -> list[Path]:
@@ -207,7 +229,7 @@ def load_saved_dataset(path: Path, split: str) -> Any:
 
 def dataset_column(ds: Any, where: str, field: str, key: str) -> Iterator[tuple[str, Any]]:
     """('<where> row N', value) of column `field` of a datasets Dataset, in batches."""
-    if field not in ds.column_names:
+    if ds.column_names is not None and field not in ds.column_names:  # a stream may not know its columns
         raise UserError(f"{where}: no column {field!r} ({key}); columns: {ds.column_names}")
     row = 0
     for batch in ds.select_columns([field]).iter(batch_size=_ROW_BATCH):
@@ -224,7 +246,7 @@ def _hub_rows(cfg: DataConfig) -> Iterator[str | None]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(cfg.dataset_name, split=cfg.split)
+        ds = datasets.load_dataset(cfg.dataset_name, split=cfg.split, streaming=cfg.streaming)
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
         raise UserError(f"data.dataset_name = {cfg.dataset_name!r} (split {cfg.split!r}) "
                         f"could not be loaded: {e}") from e
