@@ -152,8 +152,8 @@ def test_streaming_resumes_exactly_from_any_point(tmp_path, sources, tiny_tokeni
         resumed = _streams(path, tok, max_files=4)
         resumed.load_state_dict(states[k])
         assert all(torch.equal(resumed.next_batch()["input_ids"], b) for b in batches[k:k + 5]), k
-    with pytest.raises(UserError, match="not a streaming one"):
-        _streams(path, tok).load_state_dict({"kind": "mixture"})
+    with pytest.raises(UserError, match=r"is of a mixture \(data.sources\), but this run reads a stream"):
+        _streams(path, tok).load_state_dict({"kind": "mixture", "seq_len": 16})
 
 
 def test_a_missing_source_is_refused_before_any_work(tmp_path, sources, tiny_tokenizer_dir):

@@ -150,17 +150,11 @@ class PackedLoader:
 
         Raises UserError when the data, seq_len or batch layout make the old position meaningless.
         """
-        if state.get("kind") in ("mixture", "streaming"):
-            raise UserError(f"the checkpoint's data position is of a {state['kind']} (data.sources / data.streaming), "
-                            "but this run reads one prepared source; resume with the data settings the run was "
-                            "started with")
+        check_position(state, "packed", self.seq_len)
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise UserError(f"checkpoint data-loader state lacks {missing}: not a PackedLoader state")
         s = {k: int(state[k]) for k in _STATE_KEYS}
-        if s["seq_len"] != self.seq_len:
-            raise UserError(f"data.seq_len is {self.seq_len} but the checkpoint was trained with "
-                            f"{s['seq_len']}; resume with the same data.seq_len")
         if (s["num_windows"], s["num_tokens"]) != (self.num_windows, self.num_tokens):
             raise UserError(
                 f"the data changed since the checkpoint: it now packs into {self.num_windows} "
@@ -177,6 +171,22 @@ class PackedLoader:
         self.epoch = s["epoch"]
         self.position = samples // self.global_batch_size
         assert self.position <= self.batches_per_epoch, (self.position, self.batches_per_epoch)
+
+
+_KINDS = {"packed": "one prepared source (data.path)", "mixture": "a mixture (data.sources)",
+          "streaming": "a stream (data.streaming)"}
+
+
+def check_position(state: dict[str, Any], kind: str, seq_len: int) -> None:
+    """A checkpoint's loader position must be of this kind of loader and this data.seq_len
+    (a position without a kind is a single prepared source's)."""
+    found = state.get("kind", "packed")
+    if found != kind:
+        raise UserError(f"the checkpoint's data position is of {_KINDS.get(found, repr(found))}, but this run reads "
+                        f"{_KINDS[kind]}; resume with the data settings the run was started with")
+    if state.get("seq_len") != seq_len:
+        raise UserError(f"data.seq_len is {seq_len} but the checkpoint was trained with {state.get('seq_len')}; "
+                        "resume with the same data.seq_len")
 
 
 def _mix_seed(seed: int, epoch: int) -> int:

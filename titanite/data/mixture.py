@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from titanite.config import DataConfig
+from titanite.data.loader import check_position
 from titanite.data.packing import Packed, SampleWindows, pack, packing_mode
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
@@ -145,12 +146,7 @@ class MixtureLoader:
                 "num_windows": list(self.num_windows), "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != "mixture":
-            raise UserError("the checkpoint's data position is not a mixture's, but data.sources is a "
-                            "mixture; resume with the data settings the run was started with")
-        if state["seq_len"] != self.seq_len:
-            raise UserError(f"data.seq_len is {self.seq_len} but the checkpoint was trained with "
-                            f"{state['seq_len']}; resume with the same data.seq_len")
+        check_position(state, "mixture", self.seq_len)
         if (state["names"], state["num_windows"]) != (self.names, self.num_windows):
             raise UserError(f"the mixture changed since the checkpoint: sources {state['names']} with "
                             f"{state['num_windows']} sequences then, {self.names} with {self.num_windows} now; "

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from titanite.config import DataConfig
+from titanite.data.loader import check_position
 from titanite.data.sources import SourceStats, describe_source, iter_documents
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
@@ -121,12 +122,7 @@ class StreamingLoader:
                 "windows": self.windows, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != "streaming":
-            raise UserError("the checkpoint's data position is not a streaming one, but data.streaming = true; "
-                            "resume with the data settings the run was started with")
-        if state["seq_len"] != self.seq_len:
-            raise UserError(f"data.seq_len is {self.seq_len} but the checkpoint was trained with "
-                            f"{state['seq_len']}; resume with the same data.seq_len")
+        check_position(state, "streaming", self.seq_len)
         self.epoch, self.first_doc, self.windows = int(state["epoch"]), int(state["document"]), int(state["windows"])
         self._pending.clear()
         self._docs = None
