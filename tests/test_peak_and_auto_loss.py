@@ -55,6 +55,11 @@ def test_mfu_is_never_reported_above_100_percent(tmp_path, tiny_hf, tiny_data, m
         mfu = trainer._mfu(1000.0)
     if expected == "null":
         assert mfu is None and "left out (null)" in caplog.text
+        # ...and the progress line still prints (it crashed on a null mfu)
+        with caplog.at_level(logging.INFO, logger="titanite"):
+            trainer.metrics._console({"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0,
+                                      "tokens_per_sec": 1000.0, "mfu": mfu})
+        assert "1,000 tok/s mfu n/a" in caplog.text
     else:
         assert mfu == pytest.approx(0.25) and "measured again" in caplog.text
 

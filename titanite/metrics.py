@@ -73,9 +73,10 @@ class MetricsLogger:
         if done > 0:
             remaining = (time.perf_counter() - self.started) / done * (self.total - step)
             eta = f" eta {_duration(remaining)}"
+        mfu = "n/a" if row.get("mfu") is None else f"{100 * row['mfu']:.1f}%"  # null when above the peak
         text = (f"step {step}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
                 f"gnorm {row['grad_norm']:.3f} {row['tokens_per_sec']:,.0f} tok/s "
-                f"mfu {100 * row['mfu']:.1f}% mem {row.get('mem_gib', 0):.1f}GiB{eta}")
+                f"mfu {mfu} mem {row.get('mem_gib', 0):.1f}GiB{eta}")
         if self.bar:
             width = 24
             filled = int(width * step / max(1, self.total))
