@@ -109,7 +109,7 @@ def _train(store_dir: Path, out: Path, extra: list[str] = ()) -> tuple[float, fl
     """Launch a tiny training run on a named store: (seconds to the first step, peak RSS GiB, rows)."""
     cmd = [sys.executable, "-m", "titanite.train", "--config", str(REPO / "configs/demo.toml"),
            f"--job.output_dir={out}", f"--data.path={store_dir}", "--training.steps=2", "--training.warmup_steps=0",
-           "--metrics.log_interval=1",
+           "--metrics.log_interval=1", "--data.on_decode_error=error",  # as the stores were prepared
            "--checkpoint.export_hf=false", "--metrics.progress_bar=lines", *extra]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

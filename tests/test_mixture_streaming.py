@@ -11,6 +11,7 @@ store's windows, an uninterrupted loader / run, and one rank serving the whole g
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -197,13 +198,49 @@ def test_prefetch_serves_the_same_batches_and_the_position_of_those_taken(tmp_pa
     for _ in range(5):
         want, got = plain.next_batch(), ahead.next_batch()
         assert all(torch.equal(want[k], got[k]) for k in want)
+        deadline = time.monotonic() + 10
+        while not ahead._queue.full() and time.monotonic() < deadline:  # let the thread run 3 batches ahead
+            time.sleep(0.01)
+        assert ahead._queue.full()
         assert ahead.state_dict() == plain.state_dict()  # not the position of the batches made ahead
         metrics = ahead.data_metrics()
         assert {k: metrics[k] for k in plain.data_metrics()} == plain.data_metrics()
     assert metrics["data_loader_tokens_per_sec"] > 0 and metrics["data_wait_s"] >= 0
     ahead.close()
-    # An error in the loader surfaces in the training loop.
+    # An error in the loader surfaces in the training loop...
     broken = Prefetcher(fresh())
     broken.loader.next_batch = lambda: (_ for _ in ()).throw(UserError("the data went away"))
     with pytest.raises(UserError, match="went away"):
         broken.next_batch()
+    # ...and one met while the queue is full never holds up closing.
+    stuck = Prefetcher(fresh(), depth=1)
+    real, calls = stuck.loader.next_batch, []
+
+    def second_fails():
+        calls.append(1)
+        if len(calls) > 2:
+            raise UserError("late failure")
+        return real()
+
+    stuck.loader.next_batch = second_fails
+    stuck.next_batch()
+    deadline = time.monotonic() + 10
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    stuck.close()
+    assert time.monotonic() - start < 2 and not stuck._thread.is_alive()
+
+
+def test_evaluation_of_a_chat_mixture_reads_chat(tmp_path, tiny_tokenizer_dir):
+    from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
+    from titanite.eval import Evaluator
+
+    tok_dir = make_chat_tokenizer(tmp_path / "tok")
+    chat = write_jsonl(tmp_path / "chat.jsonl", toy_conversations(4))
+    cfg = load_config(None, ["--data.path=", f"--data.sources={_toml([{'path': str(chat), 'weight': 1.0, 'format': 'chat'}])}",
+                             f"--data.tokenizer={tok_dir}", "--data.seq_len=64", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--eval.path={chat}"])
+    ev = Evaluator(cfg, load_tokenizer(str(tok_dir)))
+    batch = ev.windows.batch(np.arange(len(ev.windows)))
+    assert "document_ids" in batch and (batch["labels"] != -100).sum() < (batch["input_ids"] != 0).sum()

@@ -70,7 +70,10 @@ def chat_tok_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["txt folder", "jsonl", "parquet", "datasets folder", "chat"])
-def test_prepare_each_source_type_serially_and_in_parallel(tmp_path, chat_tok_dir, kind):
+def test_prepare_each_source_type_serially_and_in_parallel(tmp_path, chat_tok_dir, kind, monkeypatch):
+    # small chunks, so the workers' results really are put back in order
+    monkeypatch.setattr(store, "_CHUNK_DOCS", 7)
+    monkeypatch.setattr(store, "_CHUNK_ROWS", 5)
     cfg, items = _write_source(kind, tmp_path / "src")
     tok = load_tokenizer(str(chat_tok_dir))
     serial = store.prepare(cfg, tok, tmp_path / "serial", workers=1)
@@ -182,6 +185,9 @@ def test_an_unfinished_store_is_never_taken_for_a_complete_one(tmp_path, chat_to
     (killed / "tokens.bin").write_bytes(b"\0" * 64)
     with pytest.raises(UserError, match="not a complete token store"):
         store.open_store(killed)
+    (killed / "manifest.json").write_text(json.dumps({"format": store.FORMAT, "version": store.VERSION}))
+    with pytest.raises(UserError, match="an incomplete token store manifest"):
+        store.open_store(killed)
     made = store.prepare(cfg, tok, out)
     assert not killed.exists() and made.num_samples == len(DOCS)
     # An error in the data leaves no folder behind.
@@ -268,3 +274,65 @@ def test_a_named_store_with_ids_beyond_the_vocabulary_is_refused(tmp_path, chat_
     with pytest.raises(UserError, match=f"holds ids up to {made.max_id}, but the model's vocab_size is {made.max_id}"):
         preflight(load_config(None, args))
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_never_replaces_what_is_not_a_store(tmp_path, chat_tok_dir):
+    cfg, _ = _write_source("txt folder", tmp_path / "src")
+    tok = load_tokenizer(str(chat_tok_dir))
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="exists and is not a token store"):
+        store.prepare(cfg, tok, precious)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    for inside in (tmp_path / "src", tmp_path / "src" / "store"):
+        with pytest.raises(UserError, match="holds or lies inside the data"):
+            store.prepare(cfg, tok, inside)
+    assert len(list((tmp_path / "src").iterdir())) == len(DOCS)
+    made = store.prepare(cfg, tok, tmp_path / "out")
+    assert store.prepare(cfg, tok, tmp_path / "out").manifest["files"] == made.manifest["files"]  # over a store: fine
+
+
+def test_a_named_store_must_have_the_runs_settings(tmp_path, chat_tok_dir):
+    cfg, _ = _write_source("chat", tmp_path / "src")
+    tok = load_tokenizer(str(chat_tok_dir))
+    store.prepare(DataConfig(path=cfg.path, format="chat", chat_loss="all"), tok, tmp_path / "all")
+    with pytest.raises(UserError, match="data.chat_loss: .* prepared with data.chat_loss = 'all', and this run sets 'assistant'"):
+        PackedLoader(DataConfig(path=str(tmp_path / "all"), format="chat", seq_len=64), tok, 1, 0)
+
+
+def test_chat_prepare_in_workers_names_a_missing_template(tmp_path, tiny_tokenizer_dir):
+    cfg, _ = _write_source("chat", tmp_path / "src")
+    tok = load_tokenizer(str(tiny_tokenizer_dir))  # no chat template
+    with pytest.raises(UserError, match="needs a chat template"):
+        store.prepare(cfg, tok, tmp_path / "store", workers=2)
+    assert not list(tmp_path.glob("store*"))
+
+
+def test_a_document_of_the_separator_alone_has_no_loss(tmp_path, chat_tok_dir):
+    """A document the tokenizer turns into no ids is its separator alone: no token to learn, so
+    'pad' packing leaves it out (counted), as before the store."""
+    from tokenizers import Tokenizer, normalizers
+
+    raw = Tokenizer.from_file(str(chat_tok_dir / "tokenizer.json"))
+    raw.normalizer = normalizers.Replace("§", "")
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["first document", "§", "third document"]))
+    ld = PackedLoader(DataConfig(path=str(path), packing="pad", seq_len=16, cache_dir=str(tmp_path / "c")), tok, 1, 0)
+    assert ld.store.sample_lengths().tolist()[1] == 1
+    assert (ld.sample_stats.samples, ld.sample_stats.dropped_no_loss) == (2, 1)
+    assert all((ld.windows.batch(np.array([w]))["labels"] != IGNORE_INDEX).any() for w in range(len(ld.windows)))
+
+
+def test_a_damaged_label_is_caught_when_read(tmp_path, chat_tok_dir):
+    cfg, _ = _write_source("chat", tmp_path / "src")
+    made = store.prepare(cfg, load_tokenizer(str(chat_tok_dir)), tmp_path / "store")
+    learned = int(np.flatnonzero(np.asarray(made.labels) != IGNORE_INDEX)[0])
+    data = bytearray((tmp_path / "store" / "labels.bin").read_bytes())
+    data[4 * learned:4 * learned + 4] = (2**31 - 1).to_bytes(4, "little")
+    (tmp_path / "store" / "labels.bin").write_bytes(bytes(data))
+    with pytest.raises(UserError, match="labels holds id 2147483647"):
+        store.open_store(tmp_path / "store").sample(int(np.searchsorted(made.offsets, learned, side="right") - 1))

@@ -211,7 +211,11 @@ def run_data(argv: list[str]) -> int:
     if cfg.eval.path:
         jobs.append(("eval", dataclasses.replace(cfg.data, path=cfg.eval.path, dataset_name="", sources=[]), None))
     for what, data, out in jobs:
-        made = store.prepare(data, tokenizer, out, args.workers) if out else store.obtain(data, tokenizer, args.workers)
+        if out:
+            with store.locked_destination(out):
+                made = store.prepare(data, tokenizer, out, args.workers)
+        else:
+            made = store.obtain(data, tokenizer, args.workers)
         print(f"{what}: {made.path} ({made.num_samples} samples, {made.num_tokens} tokens, largest id {made.max_id})")
     return 0
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from titanite.config import Config
-from titanite.data.packing import SampleWindows, StreamWindows, pack
+from titanite.data.packing import SampleWindows, StreamWindows, pack, packing_mode
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 from titanite.kernels import IGNORE_INDEX
@@ -44,8 +44,12 @@ class Evaluator:
         e = cfg.eval
         assert e.path, "Evaluator needs eval.path"
         self.interval, self.total_steps = e.interval, cfg.training.steps
-        data = dataclasses.replace(cfg.data, path=e.path, dataset_name="", sources=[])
-        self.windows: StreamWindows | SampleWindows = pack(data, tokenizer).windows
+        # Held-out data is read as the training data is: a mixture's format when its sources
+        # share one, and the training packing either way.
+        formats = {src.get("format", cfg.data.format) for src in cfg.data.sources}
+        fmt = formats.pop() if len(formats) == 1 else cfg.data.format
+        data = dataclasses.replace(cfg.data, path=e.path, dataset_name="", sources=[], streaming=False, format=fmt)
+        self.windows: StreamWindows | SampleWindows = pack(data, tokenizer, packing_mode(cfg.data)).windows
         if len(self.windows) == 0:
             raise UserError(f"eval.path = {e.path!r} has fewer than data.seq_len + 1 = "
                             f"{data.seq_len + 1} tokens: not one sequence to evaluate on")

@@ -198,7 +198,10 @@ def check_data_stores(cfg: Config, vocab_size: int) -> None:
             raise UserError(f"{key}: the token store {path} holds ids up to {max_id}, but the model's vocab_size "
                             f"is {vocab_size}: every id must be below it. Prepare the store with this model's "
                             "tokenizer, or pick the model it was made for")
-    if len(named) < sum(1 for _, p in paths if p) + bool(cfg.data.dataset_name):
+    named_keys = {key for key, _ in named}
+    stream = cfg.data.streaming  # a stream is tokenized while training: nothing of it is cached
+    cached = [key for key, p in paths if p and key not in named_keys and not (key == "data.path" and stream)]
+    if cached or (cfg.data.dataset_name and not stream):
         check_writable_folder(token_store.cache_dir(cfg.data), "data.cache_dir")
 
 

@@ -52,14 +52,18 @@ class Prefetcher:
                 item = (batch, self.loader.state_dict(), self.loader.data_metrics())
                 self._busy_s += time.perf_counter() - start
                 self._tokens += batch["input_ids"].numel()
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._put(item)
         except BaseException as e:  # re-raised in the training loop, where it can be reported
-            self._queue.put((_DONE, e, None))
+            self._put((_DONE, e, None))
+
+    def _put(self, item: tuple) -> None:
+        """Queue `item`, giving up when the prefetcher is closed (never blocks a shutdown)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         if self._thread is None:

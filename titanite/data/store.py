@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, fields
 from multiprocessing import get_context
 from pathlib import Path
@@ -184,7 +185,9 @@ class TokenStore:
         ids = np.asarray(self.tokens[a:b])
         self.check_ids(ids, f"sample {i}")
         if self.labels is not None:
-            return ids, np.asarray(self.labels[a:b])
+            labels = np.asarray(self.labels[a:b])
+            self.check_ids(labels[labels != IGNORE_INDEX], f"sample {i}'s labels")
+            return ids, labels
         labels = np.empty_like(ids)
         labels[:-1], labels[-1] = ids[1:], IGNORE_INDEX
         return ids, labels
@@ -193,7 +196,8 @@ class TokenStore:
         """int64 [D]: each sample's first position with a learned label (1 past the end if none)."""
         if self.first_label is not None:
             return np.asarray(self.first_label, dtype=np.int64)
-        return np.zeros(self.num_samples, dtype=np.int64)  # text: position 0 predicts token 1
+        lengths = self.sample_lengths()  # text: position 0 predicts token 1, if there is one
+        return np.where(lengths >= 2, 0, lengths).astype(np.int64)
 
 
 _ARRAYS = {"tokens": np.int32, "offsets": np.int64, "labels": np.int32, "first_label": np.int32}
@@ -211,10 +215,15 @@ def open_store(path: Path) -> TokenStore:
                         "finish); run titanite data prepare again") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{manifest_path}: not a token store manifest ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        manifest = manifest if isinstance(manifest, dict) else {}
         raise UserError(f"{manifest_path}: a token store of format {manifest.get('format')!r} version "
                         f"{manifest.get('version')!r}; this titanite reads {FORMAT!r} version {VERSION}. "
                         "Prepare it again")
+    missing = [k for k in ("kind", "files", "max_id", "stats", "sources", "tokenizer", "eos_id") if k not in manifest]
+    if missing or "tokens.bin" not in manifest["files"] or "offsets.bin" not in manifest["files"]:
+        raise UserError(f"{manifest_path}: an incomplete token store manifest (missing {missing or 'array files'}); "
+                        "prepare the store again")
     arrays: dict[str, np.ndarray | None] = {}
     for name, dtype in _ARRAYS.items():
         entry = manifest["files"].get(f"{name}.bin")
@@ -356,11 +365,17 @@ def _mapper(cfg: DataConfig, tokenizer: Tokenizer, workers: int):
         return
     # Workers fork from a server process started once with this module imported: each starts in
     # milliseconds, and none inherits the threads of this one (the tokenizer's, torch's).
+    if _kind(cfg) == "chat":
+        load_chat_template(cfg, tokenizer)  # a missing or broken template: its message, here
     context = get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(cfg, str(tokenizer.path))) as pool:
-        yield lambda fn, chunks: _ordered(pool, fn, chunks, ahead=2 * workers + 1)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                                 initargs=(cfg, str(tokenizer.path))) as pool:
+            yield lambda fn, chunks: _ordered(pool, fn, chunks, ahead=2 * workers + 1)
+    except BrokenProcessPool as e:
+        raise UserError(f"a tokenizer worker process died ({e}); rerun with --workers 1 to see why, or with "
+                        "fewer workers if memory is short") from None
 
 
 def _ordered(pool: ProcessPoolExecutor, fn, chunks: Iterable[Any], ahead: int) -> Iterator[Any]:
@@ -384,6 +399,7 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, workers: int = 
     no folder behind.
     """
     fp = fp or fingerprint(cfg, tokenizer)
+    check_destination(folder, cfg, fp)
     folder.parent.mkdir(parents=True, exist_ok=True)
     for stale in folder.parent.glob(f"{folder.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)  # a prepare that was killed
@@ -399,6 +415,29 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, workers: int = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return open_store(folder)
+
+
+def check_destination(folder: Path, cfg: DataConfig, fp: dict[str, Any]) -> None:
+    """A store may replace only an empty folder or another store, and may not lie inside the
+    data it is made from or hold any of it (UserError; nothing is touched)."""
+    target = folder.resolve()
+    roots = [Path(src["path"]) for src in fp["sources"]]
+    if cfg.path and Path(cfg.path).expanduser().is_dir():
+        roots.append(Path(cfg.path).expanduser().resolve())
+    for root in roots:
+        if root == target or target in root.parents or root in target.parents:
+            raise UserError(f"{folder} holds or lies inside the data it would be made from ({root}); write the "
+                            "store somewhere else")
+    if folder.exists() and not (folder.is_dir() and (is_store(folder) or not any(folder.iterdir()))):
+        raise UserError(f"{folder} exists and is not a token store; a store is written only to a new or empty "
+                        "folder, or over another store: choose another --out")
+
+
+@contextlib.contextmanager
+def locked_destination(folder: Path) -> Iterator[None]:
+    """One prepare at a time into `folder` (a lock file beside it, `.<name>.lock`)."""
+    with _locked(folder.parent / f".{folder.name}.lock"):
+        yield
 
 
 def _write(cfg: DataConfig, tokenizer: Tokenizer, tmp: Path, workers: int, fp: dict[str, Any]) -> dict[str, Any]:
@@ -522,6 +561,13 @@ def check_fresh(store: TokenStore, cfg: DataConfig, tokenizer: Tokenizer) -> Non
         raise UserError(f"data.path: the token store {store.path} was prepared with another tokenizer than "
                         f"{tokenizer.path} (its files' hash differs); prepare it again with this one, or set "
                         "data.tokenizer to the one it was made with")
+    keys = ("messages_field", "chat_loss", "on_malformed", "on_decode_error") if m["kind"] == "chat" else (
+        "text_field", "on_decode_error")
+    for key in keys:
+        then, now = m["settings"].get(key), getattr(cfg, key)
+        if then != now:
+            raise UserError(f"data.{key}: the token store {store.path} was prepared with data.{key} = {then!r}, and "
+                            f"this run sets {now!r}; prepare it again with this setting, or set it back")
     for src in m["sources"]:
         p = Path(src["path"])
         if p.exists():

@@ -21,6 +21,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 from titanite.config import DataConfig
 from titanite.data.loader import check_position
 from titanite.data.sources import SourceStats, describe_source, iter_documents
+from titanite.data.store import is_store
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 
@@ -43,6 +45,9 @@ class StreamingLoader:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1) -> None:
         assert batch_size > 0 and 0 <= rank < world_size, (batch_size, rank, world_size)
+        if cfg.path and Path(cfg.path).expanduser().is_dir() and is_store(Path(cfg.path).expanduser()):
+            raise UserError(f"data.path: {cfg.path} is a token store, which is read as prepared: set "
+                            "data.streaming = false to train on it (streaming reads the sources themselves)")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.seq_len, self.batch_size, self.rank = cfg.seq_len, batch_size, rank
         self.global_batch_size = batch_size * world_size
