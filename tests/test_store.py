@@ -214,7 +214,7 @@ def test_prepare_command_then_train_on_the_named_store(tmp_path, chat_tok_dir):
     prepared = tmp_path / "prepared"
     proc = run_cli("data", "prepare", "--config", str(config), "--out", str(prepared), "--workers", "1")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"data: {prepared} ({len(DOCS)} samples" in proc.stdout
+    assert f"data.path: {prepared} ({len(DOCS)} samples" in proc.stdout
     assert run_cli("data", "verify", str(prepared)).returncode == 0
 
     def train(out: Path, **extra) -> subprocess.CompletedProcess:

@@ -197,20 +197,13 @@ def run_data(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     check_input_paths(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
-    import dataclasses
+    from titanite.data.mixture import run_data_configs
 
-    from titanite.data.mixture import source_configs
-
-    if cfg.data.sources:
-        if args.out:
-            raise UserError("--out names one store, but data.sources is a mixture: prepare into data.cache_dir "
-                            "(leave out --out), where training finds every source's store")
-        jobs = [(f"data.sources {name!r}", own, None) for name, _, own in source_configs(cfg.data)]
-    else:
-        jobs = [("data", cfg.data, Path(args.out) if args.out else None)]
-    if cfg.eval.path:
-        jobs.append(("eval", dataclasses.replace(cfg.data, path=cfg.eval.path, dataset_name="", sources=[]), None))
-    for what, data, out in jobs:
+    if cfg.data.sources and args.out:
+        raise UserError("--out names one store, but data.sources is a mixture: prepare into data.cache_dir "
+                        "(leave out --out), where training finds every source's store")
+    for what, data in run_data_configs(cfg):
+        out = Path(args.out) if args.out and what == "data.path" else None
         if out:
             with store.locked_destination(out):
                 made = store.prepare(data, tokenizer, out, args.workers)

@@ -10,7 +10,6 @@ perplexity is exp(loss).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from titanite.config import Config
+from titanite.data.mixture import eval_data_config
 from titanite.data.packing import SampleWindows, StreamWindows, pack, packing_mode
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
@@ -44,11 +44,7 @@ class Evaluator:
         e = cfg.eval
         assert e.path, "Evaluator needs eval.path"
         self.interval, self.total_steps = e.interval, cfg.training.steps
-        # Held-out data is read as the training data is: a mixture's format when its sources
-        # share one, and the training packing either way.
-        formats = {src.get("format", cfg.data.format) for src in cfg.data.sources}
-        fmt = formats.pop() if len(formats) == 1 else cfg.data.format
-        data = dataclasses.replace(cfg.data, path=e.path, dataset_name="", sources=[], streaming=False, format=fmt)
+        data = eval_data_config(cfg)  # read as the training data is, with its packing
         self.windows: StreamWindows | SampleWindows = pack(data, tokenizer, packing_mode(cfg.data)).windows
         if len(self.windows) == 0:
             raise UserError(f"eval.path = {e.path!r} has fewer than data.seq_len + 1 = "

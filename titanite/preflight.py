@@ -39,6 +39,7 @@ from titanite import kernels
 from titanite.checkpoint.training_state import list_checkpoints
 from titanite.config import Config, KernelsConfig, ModelConfig
 from titanite.data import store as token_store
+from titanite.data.mixture import run_data_configs
 from titanite.data.packing import packing_mode
 from titanite.data.sources import STDLIB
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
@@ -96,7 +97,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
         handle.check_hf(weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
-    check_data_stores(cfg, hf_config["vocab_size"])
+    check_data_stores(cfg, tokenizer, hf_config["vocab_size"])
     if packing_mode(cfg.data) == "documents" and not handle.supports_document_masks:
         raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
@@ -185,23 +186,24 @@ def weights_to_load(m: ModelConfig) -> str | None:
     return None
 
 
-def check_data_stores(cfg: Config, vocab_size: int) -> None:
-    """A token store named by data.path or eval.path must hold ids below the model's vocab_size;
-    otherwise the store cache (data.cache_dir) must be a folder this process can write."""
-    paths = [("data.path", cfg.data.path), ("eval.path", cfg.eval.path)]
-    paths += [(f"data.sources[{i}].path", src["path"]) for i, src in enumerate(cfg.data.sources)]
-    named = [(key, Path(p).expanduser()) for key, p in paths
-             if p and p != STDLIB and Path(p).expanduser().is_dir() and token_store.is_store(Path(p).expanduser())]
-    for key, path in named:
-        max_id = token_store.stored_max_id(path)
-        if max_id >= vocab_size:
-            raise UserError(f"{key}: the token store {path} holds ids up to {max_id}, but the model's vocab_size "
-                            f"is {vocab_size}: every id must be below it. Prepare the store with this model's "
-                            "tokenizer, or pick the model it was made for")
-    named_keys = {key for key, _ in named}
-    stream = cfg.data.streaming  # a stream is tokenized while training: nothing of it is cached
-    cached = [key for key, p in paths if p and key not in named_keys and not (key == "data.path" and stream)]
-    if cached or (cfg.data.dataset_name and not stream):
+def check_data_stores(cfg: Config, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """A token store named by data.path, a source or eval.path must hold ids below the model's
+    vocab_size and match the tokenizer, the run's settings and its sources' current files;
+    anything else the run reads is cached in data.cache_dir, which must then be writable."""
+    needs_cache = bool(cfg.data.dataset_name and not cfg.data.streaming)
+    for key, data in run_data_configs(cfg):
+        path = Path(data.path).expanduser() if data.path and data.path != STDLIB else None
+        if path is None or not (path.is_dir() and token_store.is_store(path)):
+            # a stream is tokenized while training: nothing of it is cached
+            needs_cache |= bool(data.path) and not (key == "data.path" and cfg.data.streaming)
+            continue
+        store = token_store.open_store(path)
+        if store.max_id >= vocab_size:
+            raise UserError(f"{key}: the token store {path} holds ids up to {store.max_id}, but the model's "
+                            f"vocab_size is {vocab_size}: every id must be below it. Prepare the store with this "
+                            "model's tokenizer, or pick the model it was made for")
+        token_store.check_fresh(store, data, tokenizer)
+    if needs_cache:
         check_writable_folder(token_store.cache_dir(cfg.data), "data.cache_dir")
 
 

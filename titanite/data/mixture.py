@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanite.config import DataConfig
+from titanite.config import Config, DataConfig
 from titanite.data.loader import check_position
 from titanite.data.packing import Packed, SampleWindows, pack, packing_mode
 from titanite.data.tokenizer import Tokenizer
@@ -41,6 +41,24 @@ def source_configs(cfg: DataConfig) -> list[tuple[str, float, DataConfig]]:
         out.append((src["name"], float(src["weight"]),
                     dataclasses.replace(cfg, path=src["path"], dataset_name="", sources=[], **own)))
     return out
+
+
+def eval_data_config(cfg: Config) -> DataConfig:
+    """The [data] that eval.path is read with: the training data's settings, with a mixture's
+    format when its sources share one (the packing follows the training data's)."""
+    formats = {src.get("format", cfg.data.format) for src in cfg.data.sources}
+    fmt = formats.pop() if len(formats) == 1 else cfg.data.format
+    return dataclasses.replace(cfg.data, path=cfg.eval.path, dataset_name="", sources=[], streaming=False, format=fmt)
+
+
+def run_data_configs(cfg: Config) -> list[tuple[str, DataConfig]]:
+    """(config key, its [data]) for everything a run reads: data.path or each of data.sources,
+    and eval.path."""
+    if cfg.data.sources:
+        out = [(f"data.sources[{i}].path", own) for i, (_, _, own) in enumerate(source_configs(cfg.data))]
+    else:
+        out = [("data.path", cfg.data)]
+    return out + ([("eval.path", eval_data_config(cfg))] if cfg.eval.path else [])
 
 
 def _seed(*parts: int) -> int:

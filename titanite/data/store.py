@@ -90,12 +90,6 @@ def is_store(path: Path) -> bool:
         return False
 
 
-def stored_max_id(path: Path) -> int:
-    """The largest token id a store holds (its manifest, once its files are checked; UserError
-    when it is incomplete or damaged)."""
-    return open_store(path).max_id
-
-
 # -- what a store is made from -----------------------------------------------------------------
 
 def _kind(cfg: DataConfig) -> str:
