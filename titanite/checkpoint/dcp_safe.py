@@ -1,8 +1,8 @@
 """Reading DCP checkpoints without running code from them.
 
 `torch.distributed.checkpoint`'s `FileSystemReader` unpickles the checkpoint's `.metadata`
-file with plain `pickle.load`, and its default load planner `torch.load`s byte entries with
-`weights_only=False`. Either runs arbitrary code from a crafted checkpoint. titanite reads every
+file with plain `pickle.load`, and its default load planner unpickles byte entries with
+`torch.load` unrestricted. Either runs arbitrary code from a crafted checkpoint. titanite reads every
 checkpoint through `SafeReader` and `TensorOnlyPlanner` instead:
 
 - `.metadata` is unpickled by `RestrictedUnpickler`, which resolves only the classes DCP metadata
@@ -120,7 +120,8 @@ class SafeReader(FileSystemReader):
 
 
 class TensorOnlyPlanner(DefaultLoadPlanner):
-    """The default load planner, minus its `torch.load(weights_only=False)` of byte entries."""
+    """DCP's default load planner, except that byte entries (which it would unpickle with no
+    restriction) are refused: this planner never unpickles anything."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise UnsafeCheckpoint(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes, not a "
