@@ -83,10 +83,10 @@ PREPARE = """
 import json, time, logging
 from pathlib import Path
 from titanite.config import DataConfig
-from titanite.data import load_tokenizer, store
+from titanite.data import load_tokenizer, prepare
 tok = load_tokenizer("qwen3")
 start = time.perf_counter()
-s = store.prepare(DataConfig(path={folder!r}, tokenizer="qwen3"), tok, Path({out!r}), workers={workers})
+s = prepare.prepare(DataConfig(path={folder!r}, tokenizer="qwen3"), tok, Path({out!r}), workers={workers})
 print(json.dumps({{"tokens": s.num_tokens, "seconds": time.perf_counter() - start}}))
 """
 
@@ -126,15 +126,15 @@ def _train(store_dir: Path, out: Path, extra: list[str] = ()) -> tuple[float, fl
 def bench_startup(root: Path, docs: list[str], big_tokens: float) -> tuple[list[str], float]:
     sys.path.insert(0, str(REPO))
     from titanite.config import DataConfig
-    from titanite.data import load_tokenizer, store
+    from titanite.data import load_tokenizer, prepare
 
     tok = load_tokenizer("qwen3")
     small_src = write_jsonl(root / "small-src", docs, 1)
-    small = store.prepare(DataConfig(path=str(small_src), tokenizer="qwen3"), tok, root / "small-store", workers=2)
+    small = prepare.prepare(DataConfig(path=str(small_src), tokenizer="qwen3"), tok, root / "small-store", workers=2)
     copies = max(1, round(big_tokens / small.num_tokens))
     big_src = write_jsonl(root / "big-src", docs, copies)
     t = time.perf_counter()
-    big = store.prepare(DataConfig(path=str(big_src), tokenizer="qwen3"), tok, root / "big-store", workers=2)
+    big = prepare.prepare(DataConfig(path=str(big_src), tokenizer="qwen3"), tok, root / "big-store", workers=2)
     prep_s = time.perf_counter() - t
     rows = ["| store | tokens | store on disk | launch to first step (s) | peak RSS (GiB) |", "| --- | ---: | ---: | ---: | ---: |"]
     results = {}

@@ -22,6 +22,7 @@ from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_js
 from tests.conftest import REPO, corpus_texts, make_hf_checkpoint, run_cli, tiny_train_args
 from titanite.config import DataConfig
 from titanite.data import PackedLoader, load_tokenizer, store
+from titanite.data import prepare as prep
 from titanite.data.chat import IGNORE_INDEX, load_chat_template, tokenize_conversation
 from titanite.data.packing import StreamWindows
 from titanite.errors import UserError
@@ -72,11 +73,11 @@ def chat_tok_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("kind", ["txt folder", "jsonl", "parquet", "datasets folder", "chat"])
 def test_prepare_each_source_type_serially_and_in_parallel(tmp_path, chat_tok_dir, kind, monkeypatch):
     # small chunks, so the workers' results really are put back in order
-    monkeypatch.setattr(store, "_CHUNK_DOCS", 7)
-    monkeypatch.setattr(store, "_CHUNK_ROWS", 5)
+    monkeypatch.setattr(prep, "_CHUNK_DOCS", 7)
+    monkeypatch.setattr(prep, "_CHUNK_ROWS", 5)
     cfg, items = _write_source(kind, tmp_path / "src")
     tok = load_tokenizer(str(chat_tok_dir))
-    serial = store.prepare(cfg, tok, tmp_path / "serial", workers=1)
+    serial = prep.prepare(cfg, tok, tmp_path / "serial", workers=1)
     want = _expected_samples(kind, items, tok)
     assert serial.num_samples == len(want)
     for i, (ids, labels) in enumerate(want):
@@ -85,7 +86,7 @@ def test_prepare_each_source_type_serially_and_in_parallel(tmp_path, chat_tok_di
         if labels is not None:
             assert got_labels.tolist() == labels
     assert serial.max_id == max(max(ids) for ids, _ in want)
-    parallel = store.prepare(cfg, tok, tmp_path / "parallel", workers=2)  # worker processes: the same bytes
+    parallel = prep.prepare(cfg, tok, tmp_path / "parallel", workers=2)  # worker processes: the same bytes
     for name in serial.manifest["files"]:
         assert (tmp_path / "serial" / name).read_bytes() == (tmp_path / "parallel" / name).read_bytes(), name
     assert parallel.manifest["files"] == serial.manifest["files"]
@@ -144,20 +145,20 @@ def test_cache_reuses_a_store_and_a_changed_source_gets_a_new_one(tmp_path, chat
     cfg = DataConfig(path=cfg.path, cache_dir=str(tmp_path / "cache"))
     tok = load_tokenizer(str(chat_tok_dir))
     with caplog.at_level(logging.INFO, logger="titanite"):
-        first = store.obtain(cfg, tok)
+        first = prep.obtain(cfg, tok)
         assert "preparing the token store" in caplog.text
         caplog.clear()
-        again = store.obtain(cfg, tok)
+        again = prep.obtain(cfg, tok)
         assert "preparing" not in caplog.text and again.path == first.path
         with open(cfg.path, "a") as f:
             f.write(json.dumps({"text": "one more document"}) + "\n")
-        changed = store.obtain(cfg, tok)
+        changed = prep.obtain(cfg, tok)
     assert changed.path != first.path and changed.num_samples == first.num_samples + 1
     # A damaged cached store is prepared again, not read.
     with open(changed.path / "tokens.bin", "r+b") as f:
         f.truncate(8)
     with caplog.at_level(logging.WARNING, logger="titanite"):
-        repaired = store.obtain(cfg, tok)
+        repaired = prep.obtain(cfg, tok)
     assert "unusable" in caplog.text and repaired.num_tokens == changed.num_tokens
 
 
@@ -165,8 +166,8 @@ def test_ranks_share_one_prepare(tmp_path, chat_tok_dir):
     """Two processes asking for the same store at once: one prepares, the other waits and opens it."""
     cfg, _ = _write_source("jsonl", tmp_path / "src")
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
-            "from titanite.config import DataConfig; from titanite.data import load_tokenizer, store; "
-            f"store.obtain(DataConfig(path={cfg.path!r}, cache_dir={str(tmp_path / 'cache')!r}), "
+            "from titanite.config import DataConfig; from titanite.data import load_tokenizer, prepare as prep; "
+            f"prep.obtain(DataConfig(path={cfg.path!r}, cache_dir={str(tmp_path / 'cache')!r}), "
             f"load_tokenizer({str(chat_tok_dir)!r}))")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
@@ -188,18 +189,18 @@ def test_an_unfinished_store_is_never_taken_for_a_complete_one(tmp_path, chat_to
     (killed / "manifest.json").write_text(json.dumps({"format": store.FORMAT, "version": store.VERSION}))
     with pytest.raises(UserError, match="an incomplete token store manifest"):
         store.open_store(killed)
-    made = store.prepare(cfg, tok, out)
+    made = prep.prepare(cfg, tok, out)
     assert not killed.exists() and made.num_samples == len(DOCS)
     # An error in the data leaves no folder behind.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": 3}\n')
     with pytest.raises(UserError, match="holds int"):
-        store.prepare(DataConfig(path=str(bad)), tok, tmp_path / "bad-store")
+        prep.prepare(DataConfig(path=str(bad)), tok, tmp_path / "bad-store")
     assert not list(tmp_path.glob("bad-store*"))
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": "  "}\n')
     with pytest.raises(UserError, match="holds no documents"):
-        store.prepare(DataConfig(path=str(empty)), tok, tmp_path / "empty-store")
+        prep.prepare(DataConfig(path=str(empty)), tok, tmp_path / "empty-store")
     assert not list(tmp_path.glob("empty-store*"))
 
 
@@ -257,7 +258,7 @@ def test_a_named_store_with_ids_beyond_the_vocabulary_is_refused(tmp_path, chat_
 
     cfg, _ = _write_source("jsonl", tmp_path / "src")
     tok = load_tokenizer(str(chat_tok_dir))
-    made = store.prepare(cfg, tok, tmp_path / "prepared")
+    made = prep.prepare(cfg, tok, tmp_path / "prepared")
     # The run's own tokenizer fits the model; the store it names was made with a larger one.
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -283,20 +284,20 @@ def test_prepare_never_replaces_what_is_not_a_store(tmp_path, chat_tok_dir):
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="exists and is not a token store"):
-        store.prepare(cfg, tok, precious)
+        prep.prepare(cfg, tok, precious)
     assert (precious / "notes.txt").read_text() == "keep me"
     for inside in (tmp_path / "src", tmp_path / "src" / "store"):
         with pytest.raises(UserError, match="holds or lies inside the data"):
-            store.prepare(cfg, tok, inside)
+            prep.prepare(cfg, tok, inside)
     assert len(list((tmp_path / "src").iterdir())) == len(DOCS)
-    made = store.prepare(cfg, tok, tmp_path / "out")
-    assert store.prepare(cfg, tok, tmp_path / "out").manifest["files"] == made.manifest["files"]  # over a store: fine
+    made = prep.prepare(cfg, tok, tmp_path / "out")
+    assert prep.prepare(cfg, tok, tmp_path / "out").manifest["files"] == made.manifest["files"]  # over a store: fine
 
 
 def test_a_named_store_must_have_the_runs_settings(tmp_path, chat_tok_dir):
     cfg, _ = _write_source("chat", tmp_path / "src")
     tok = load_tokenizer(str(chat_tok_dir))
-    store.prepare(DataConfig(path=cfg.path, format="chat", chat_loss="all"), tok, tmp_path / "all")
+    prep.prepare(DataConfig(path=cfg.path, format="chat", chat_loss="all"), tok, tmp_path / "all")
     with pytest.raises(UserError, match="data.chat_loss: .* prepared with data.chat_loss = 'all', and this run sets 'assistant'"):
         PackedLoader(DataConfig(path=str(tmp_path / "all"), format="chat", seq_len=64), tok, 1, 0)
 
@@ -305,7 +306,7 @@ def test_chat_prepare_in_workers_names_a_missing_template(tmp_path, tiny_tokeniz
     cfg, _ = _write_source("chat", tmp_path / "src")
     tok = load_tokenizer(str(tiny_tokenizer_dir))  # no chat template
     with pytest.raises(UserError, match="needs a chat template"):
-        store.prepare(cfg, tok, tmp_path / "store", workers=2)
+        prep.prepare(cfg, tok, tmp_path / "store", workers=2)
     assert not list(tmp_path.glob("store*"))
 
 
@@ -329,7 +330,7 @@ def test_a_document_of_the_separator_alone_has_no_loss(tmp_path, chat_tok_dir):
 
 def test_a_damaged_label_is_caught_when_read(tmp_path, chat_tok_dir):
     cfg, _ = _write_source("chat", tmp_path / "src")
-    made = store.prepare(cfg, load_tokenizer(str(chat_tok_dir)), tmp_path / "store")
+    made = prep.prepare(cfg, load_tokenizer(str(chat_tok_dir)), tmp_path / "store")
     learned = int(np.flatnonzero(np.asarray(made.labels) != IGNORE_INDEX)[0])
     data = bytearray((tmp_path / "store" / "labels.bin").read_bytes())
     data[4 * learned:4 * learned + 4] = (2**31 - 1).to_bytes(4, "little")

@@ -178,7 +178,7 @@ def run_data(argv: list[str]) -> int:
     parser.add_argument("--out", help="prepare: write the [data] store to this folder instead of the cache")
     args, overrides = parser.parse_known_args(argv)
     setup_logging()
-    from titanite.data import store
+    from titanite.data import prepare, store
 
     if args.action == "verify":
         if not args.dir:
@@ -205,10 +205,10 @@ def run_data(argv: list[str]) -> int:
     for what, data in run_data_configs(cfg):
         out = Path(args.out) if args.out and what == "data.path" else None
         if out:
-            with store.locked_destination(out):
-                made = store.prepare(data, tokenizer, out, args.workers)
+            with prepare.locked_destination(out):
+                made = prepare.prepare(data, tokenizer, out, args.workers)
         else:
-            made = store.obtain(data, tokenizer, args.workers)
+            made = prepare.obtain(data, tokenizer, args.workers)
         print(f"{what}: {made.path} ({made.num_samples} samples, {made.num_tokens} tokens, largest id {made.max_id})")
     return 0
 

@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from titanite.errors import UserError
 
@@ -25,7 +27,8 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
                   errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
 
 
-def _is_within(path: Path, root: Path) -> bool:
+def is_within(path: Path, root: Path) -> bool:
+    """Whether `path` is `root` or lies below it (compare resolved paths)."""
     return path == root or root in path.parents
 
 
@@ -41,10 +44,10 @@ def inside_folder(folder: str | Path, name: str, what: str) -> Path:
                         "folder are read")
     root = folder.resolve()
     target = (folder / rel).resolve()
-    if _is_within(target, root):
+    if is_within(target, root):
         return folder / rel
     # Hub cache layout: <repo>/snapshots/<revision>/<file> -> <repo>/blobs/<hash>.
-    if root.parent.name == "snapshots" and _is_within(target, root.parent.parent / "blobs"):
+    if root.parent.name == "snapshots" and is_within(target, root.parent.parent / "blobs"):
         return folder / rel
     raise UserError(f"{what}: {folder / rel} is a link to {target}, outside {folder}; only files "
                     "inside the folder are read")
@@ -100,3 +103,14 @@ def storage_error(e: OSError, doing: str) -> UserError:
              errno.EPERM: "operation not permitted"}.get(e.errno, e.strerror or str(e))
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""
     return UserError(f"{cause}{where} while {doing}")
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """{"size": bytes, "sha256": hex} of one file, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}

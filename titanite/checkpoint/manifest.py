@@ -9,7 +9,6 @@ covers every file the DCP metadata points into, and each file has its recorded s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -17,22 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from titanite.errors import UserError
-from titanite.files import inside_folder
+from titanite.files import file_digest, inside_folder
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
-_CHUNK = 8 << 20
-
-
-def digest(path: Path) -> dict[str, Any]:
-    """{"size": bytes, "sha256": hex} of one file, read in 8 MiB chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
 
 
 def write(folder: Path, files: dict[str, dict[str, Any]], step: int) -> None:
@@ -87,6 +74,6 @@ def check_hashes(folder: Path, files: dict[str, dict[str, Any]], names: Iterable
         path = folder / name
         if not path.is_file():
             continue  # reported by check_sizes
-        if digest(path)["sha256"] != files[name]["sha256"]:
+        if file_digest(path)["sha256"] != files[name]["sha256"]:
             problems.append(f"{name} does not match its SHA-256 in the manifest (corrupt bytes)")
     return problems

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanite.checkpoint import dcp_safe, manifest
 from titanite.errors import UserError
-from titanite.files import storage_error
+from titanite.files import file_digest, storage_error
 from titanite.parallel.distributed import gather_texts
 
 log = logging.getLogger("titanite")
@@ -133,7 +133,7 @@ def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
         shards = sorted({info.relative_path for info in metadata.storage_data.values()})
         files += [f for f in shards if _writer_of(f) == _rank()]
         digests: dict[str, Any] = {}
-        for text in gather_texts(json.dumps({f: manifest.digest(tmp / f) for f in files})):
+        for text in gather_texts(json.dumps({f: file_digest(tmp / f) for f in files})):
             digests.update(json.loads(text))
         if _rank() == 0:
             manifest.write(tmp, digests, step)

@@ -126,7 +126,7 @@ class PackedLoader:
         """Window indices for the current epoch, int64 [num_windows]; computed once per epoch."""
         if self._order_epoch != self.epoch:
             if self.shuffle:
-                g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
+                g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
                 self._order = torch.randperm(self.num_windows, generator=g).numpy()
             else:
                 self._order = np.arange(self.num_windows)
@@ -189,9 +189,13 @@ def check_position(state: dict[str, Any], kind: str, seq_len: int) -> None:
                         "resume with the same data.seq_len")
 
 
-def _mix_seed(seed: int, epoch: int) -> int:
-    """One 64-bit generator seed per (seed, epoch); a golden-ratio multiply keeps pairs apart."""
-    return (seed * 0x9E3779B97F4A7C15 + epoch) % 2**64
+def mix_seed(*parts: int) -> int:
+    """One 64-bit generator seed per tuple (seed, epoch, ...); a golden-ratio multiply keeps
+    nearby tuples apart. (seed, epoch) gives the single-source loader's epoch seeds."""
+    h = parts[0]
+    for p in parts[1:]:
+        h = h * 0x9E3779B97F4A7C15 + p
+    return h % 2**64
 
 
 def make_loader(cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, seed: int, rank: int = 0,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from titanite.config import Config, DataConfig
-from titanite.data.loader import check_position
+from titanite.data.loader import check_position, mix_seed
 from titanite.data.packing import Packed, SampleWindows, pack, packing_mode
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
@@ -59,13 +59,6 @@ def run_data_configs(cfg: Config) -> list[tuple[str, DataConfig]]:
     else:
         out = [("data.path", cfg.data)]
     return out + ([("eval.path", eval_data_config(cfg))] if cfg.eval.path else [])
-
-
-def _seed(*parts: int) -> int:
-    h = 0
-    for p in parts:  # golden-ratio mixing keeps nearby tuples apart
-        h = (h * 0x9E3779B97F4A7C15 + p + 1) % 2**64
-    return h
 
 
 class MixtureLoader:
@@ -107,7 +100,7 @@ class MixtureLoader:
     def _source_of(self, n: int) -> int:
         block = n // BLOCK
         if self._block is None or self._block[0] != block:
-            g = torch.Generator().manual_seed(_seed(self.seed, block))
+            g = torch.Generator().manual_seed(mix_seed(self.seed, block))
             picks = torch.multinomial(self.weights, BLOCK, replacement=True, generator=g).numpy()
             self._block = (block, picks)
         return int(self._block[1][n % BLOCK])
@@ -120,7 +113,7 @@ class MixtureLoader:
             return k % n
         if (s, epoch) not in self._orders:
             self._orders = {key: v for key, v in self._orders.items() if key[0] != s}  # one epoch per source kept
-            g = torch.Generator().manual_seed(_seed(self.seed, s, epoch))
+            g = torch.Generator().manual_seed(mix_seed(self.seed, s, epoch))
             self._orders[(s, epoch)] = torch.randperm(n, generator=g).numpy()
         return int(self._orders[(s, epoch)][k % n])
 

@@ -28,7 +28,8 @@ import torch
 from titanite.config import DataConfig
 from titanite.data.chat import IGNORE_INDEX, ChatStats
 from titanite.data.sources import SourceStats, describe_source
-from titanite.data.store import TokenStore, obtain
+from titanite.data.prepare import obtain
+from titanite.data.store import TokenStore
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 

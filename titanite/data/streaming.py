@@ -29,6 +29,7 @@ import torch
 
 from titanite.config import DataConfig
 from titanite.data.loader import check_position
+from titanite.data.prepare import encode_documents
 from titanite.data.sources import SourceStats, describe_source, iter_documents
 from titanite.data.store import is_store
 from titanite.data.tokenizer import Tokenizer
@@ -78,9 +79,8 @@ class StreamingLoader:
         chunk = list(itertools.islice(self._docs, _CHUNK_DOCS))
         if not chunk:
             return False
-        for ids in self.tokenizer.encode_batch(chunk):
-            ids.append(self.tokenizer.eos_id)
-            self._pending.append(np.asarray(ids, dtype=np.int32))
+        tokens, lengths = encode_documents(self.tokenizer, chunk)
+        self._pending.extend(np.split(tokens, np.cumsum(lengths)[:-1]))
         self._next_doc += len(chunk)
         return True
 
