@@ -66,18 +66,23 @@ def run_export(argv: list[str]) -> int:
     from titanite.config import DEFAULT_SHARD_MB
 
     parser = argparse.ArgumentParser(prog="titanite export",
-                                     description="Turn a training checkpoint into a Hugging Face folder.")
+                                     description="Turn a training checkpoint into a Hugging Face folder "
+                                                 "(for a LoRA run: its adapter in peft's format, or with "
+                                                 "--merged the base with the adapters merged in).")
     parser.add_argument("--checkpoint", required=True, help="a checkpoints/step-N folder")
     parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
     parser.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_MB, help="largest safetensors shard, MB")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let code shipped in the run's model.hf_path run (hf spec); off by default, "
                              "whatever the checkpoint's config.toml says")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA runs: write the base with the adapters merged in (loads without peft)")
     args = parser.parse_args(argv)
     setup_logging()
     from titanite.export import export_checkpoint
 
-    export_checkpoint(Path(args.checkpoint), Path(args.out), args.shard_mb, args.trust_remote_code)
+    export_checkpoint(Path(args.checkpoint), Path(args.out), args.shard_mb, args.trust_remote_code,
+                      merged=args.merged)
     return 0
 
 
@@ -104,7 +109,10 @@ def run_generate(argv: list[str]) -> int:
         description="Generate text with a KV cache from a Hugging Face folder, a training checkpoint "
                     "(checkpoints/step-N) or a run folder (its latest checkpoint). Chat models get "
                     "their prompt rendered with the tokenizer's chat template.")
-    parser.add_argument("--model", required=True, help="HF folder, checkpoint folder or run output_dir")
+    parser.add_argument("--model", required=True,
+                        help="HF folder, checkpoint folder, run output_dir, or a LoRA adapter folder")
+    parser.add_argument("--base", help="for a LoRA adapter: the base model folder (default: the one "
+                                       "adapter_config.json records)")
     parser.add_argument("--prompt", required=True, action="append",
                         help="prompt text (repeat for several; each is answered on its own)")
     parser.add_argument("--system", default="", help="system message for chat models")
@@ -130,7 +138,8 @@ def run_generate(argv: list[str]) -> int:
     device = pick_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
-    generator = load_generator(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    generator = load_generator(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code,
+                               base=args.base)
     for prompt in args.prompt:
         print(generator.complete(prompt, sampling, system=args.system, raw=args.raw), flush=True)
     return 0

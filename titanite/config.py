@@ -117,6 +117,24 @@ class CheckpointConfig:
     resume: bool = _f(True, "Resume from the latest complete checkpoint in output_dir when one exists.")
     export_hf: bool = _f(True, "Write a Hugging Face folder to <output_dir>/hf at the end.")
     export_shard_mb: int = _f(DEFAULT_SHARD_MB, "Largest safetensors shard in an HF export, in MB.")
+    export_merged: bool = _f(False, "LoRA runs: also write <output_dir>/hf with the adapters merged into the base weights (the published layout; transformers loads it without peft). The adapter itself goes to <output_dir>/adapter whenever export_hf is on.")
+
+
+LORA_ALL = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(False, "Train low-rank adapters on a frozen base (model.hf_path) instead of every weight.")
+    rank: int = _f(16, "Adapter rank r (> 0). For MoE experts it is the rank of each expert's adapter, as in peft.")
+    alpha: float = _f(32.0, "Scale: the update is B @ A x alpha / rank.")
+    dropout: float = _f(0.0, "Dropout on the adapter's input, in [0, 1). Must be 0 when MoE experts are targeted (peft cannot represent it there).")
+    target_modules: list[str] = _f([LORA_ALL], "Hugging Face module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (dense MLPs), experts.gate_up_proj, experts.down_proj (MoE experts' fused projections); 'all-linear' = every one of them this model has (not the head or the router).")
+    base_dtype: str = _f("fp32", "Storage of the frozen base weights: 'fp32' or 'bf16' (needs training.mixed_precision = 'bf16'). Adapters, their gradients and optimizer state stay fp32.",
+                         choices=("fp32", "bf16"))
+    init: str = _f("kaiming", "Adapter init: B = 0 and A Kaiming-uniform ('kaiming', peft's default) or A normal with std 1/rank ('gaussian'). Drawn per adapter from job.seed and its name, so every layout and both backends start from the same adapters.",
+                   choices=("kaiming", "gaussian"))
+    adapter_path: str = _f("", "Start the adapters from this peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's adapter/) instead of the init. It must be an adapter of model.hf_path's architecture, with this section's rank and target_modules.")
 
 
 @dataclass
@@ -158,6 +176,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # Tables whose unknown keys are collected into a dict field instead of being rejected.
@@ -332,6 +351,40 @@ def validate(cfg: Config) -> None:
         raise UserError("config key 'model.init' is 'pretrained' but 'model.hf_path' is not set")
     if not cfg.job.output_dir:
         raise UserError("config key 'job.output_dir' must not be empty")
+    validate_lora(cfg)
+
+
+def validate_lora(cfg: Config) -> None:
+    """The [lora] checks that need no model (the target names are checked against the model
+    when it is built, in titanite/lora)."""
+    lo = cfg.lora
+    if not lo.enabled:
+        if cfg.checkpoint.export_merged:
+            raise UserError("config key 'checkpoint.export_merged' merges LoRA adapters, but lora.enabled is "
+                            "false (a full fine-tune's hf/ export already holds every weight)")
+        return
+    if lo.rank <= 0:
+        raise UserError(f"config key 'lora.rank' must be a positive integer, got {lo.rank}")
+    if lo.alpha <= 0:
+        raise UserError(f"config key 'lora.alpha' must be > 0, got {lo.alpha}")
+    if not 0 <= lo.dropout < 1:
+        raise UserError(f"config key 'lora.dropout' must be in [0, 1), got {lo.dropout}")
+    if not lo.target_modules:
+        raise UserError("config key 'lora.target_modules' is empty: name the modules to adapt, or 'all-linear'")
+    if not cfg.model.hf_path:
+        raise UserError("config key 'lora.enabled' is true but 'model.hf_path' is not set: LoRA adapts a "
+                        "published base checkpoint (and re-reads it on resume); set model.hf_path")
+    if cfg.model.init == "random":
+        raise UserError("config key 'model.init' is 'random' with lora.enabled: the frozen base would be noise; "
+                        "use model.init = 'auto' or 'pretrained'")
+    if lo.base_dtype == "bf16" and cfg.training.mixed_precision != "bf16":
+        raise UserError("config key 'lora.base_dtype' is 'bf16' but 'training.mixed_precision' is "
+                        f"{cfg.training.mixed_precision!r}: a bf16 base needs bf16 compute; set "
+                        "training.mixed_precision = 'bf16' or lora.base_dtype = 'fp32'")
+    if cfg.parallelism.tp > 1:
+        raise UserError(f"config key 'parallelism.tp' is {cfg.parallelism.tp} with lora.enabled: titanite "
+                        "has no tensor-parallel plan for adapters yet; shard the frozen base with FSDP "
+                        "(parallelism.dp_shard) instead")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, load_config
 from titanite.data.tokenizer import load_tokenizer
 from titanite.errors import UserError
+from titanite.lora.adapter import write_adapter
 from titanite.models.handle import ModelHandle
 from titanite.models.spec import get_spec
 
@@ -34,19 +35,35 @@ def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> 
                     config_file)
     cfg.model.trust_remote_code = trust_remote_code
     handle = get_spec(cfg.model.spec).build(cfg.model)
+    if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is model.hf_path's
+        handle.apply_lora(cfg.lora)
+        handle.check_hf(cfg.model.hf_path)
     handle.module.to_empty(device="cpu")
     handle.init_buffers()
     with torch.no_grad():
+        if handle.lora is not None:
+            handle.load_hf(cfg.model.hf_path)
         training_state.load(checkpoint, handle.module, optimizer=None)
     return cfg, handle
 
 
-def export_checkpoint(checkpoint: Path, out: Path, shard_mb: int, trust_remote_code: bool = False) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, shard_mb: int, trust_remote_code: bool = False,
+                      merged: bool = False) -> Path:
+    """A LoRA checkpoint gives its adapter in peft's format, or with `merged` the base with the
+    adapters merged in; any other checkpoint gives its model."""
     cfg, handle = load_checkpoint_model(checkpoint, trust_remote_code)
+    if merged and handle.lora is None:
+        raise UserError(f"--merged: {checkpoint} is not a LoRA run's checkpoint (lora.enabled is false); "
+                        "export it without --merged")
+    if handle.lora is not None and not merged:
+        path = write_adapter(out, handle.adapter_factors(), handle.lora.cfg, cfg.model.hf_path)
+        log.info("exported the LoRA adapter of %s to %s (peft format; --merged for the merged model)",
+                 checkpoint, path)
+        return path
     tokenizer_files = []
     if cfg.data.tokenizer or cfg.model.hf_path:
         tokenizer_files = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path).files
-    path = export_hf(handle.hf_state_dict(), handle.hf_config(), out, shard_mb,
+    path = export_hf(handle.hf_state_dict(merged=merged), handle.hf_config(), out, shard_mb,
                      source_folders=[cfg.model.hf_path], tokenizer_files=tokenizer_files)
     log.info("exported %s to %s", checkpoint, path)
     return path

@@ -148,14 +148,19 @@ class Generator:
 
 
 def load_generator(path: str | Path, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", trust_remote_code: bool = False) -> Generator:
+                   device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                   base: str | Path | None = None) -> Generator:
     """A Generator for a Hugging Face folder, a training checkpoint folder (checkpoints/step-N),
-    or a run's output_dir (its latest checkpoint). Raises UserError for anything else."""
+    a run's output_dir (its latest checkpoint), or a LoRA adapter folder on its base (`base`,
+    default the base recorded in adapter_config.json). Raises UserError for anything else."""
     from titanite.checkpoint import training_state
+    from titanite.lora import adapter
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise UserError(f"--model: {folder} is not a folder")
+    if (folder / adapter.CONFIG_NAME).is_file():
+        return _from_adapter(folder, base, dtype, device)
     if (folder / training_state.STATE_FILE).is_file():
         return _from_checkpoint(folder, dtype, device, trust_remote_code)
     found = training_state.newest_usable(folder / "checkpoints",
@@ -168,6 +173,33 @@ def load_generator(path: str | Path, dtype: torch.dtype = torch.float32,
     raise UserError(f"--model: {folder} is neither a Hugging Face folder (config.json + *.safetensors) "
                     "nor a training checkpoint (checkpoints/step-N with trainer_state.json) nor a run "
                     "folder holding checkpoints/")
+
+
+def _from_adapter(folder: Path, base: str | Path | None, dtype: torch.dtype,
+                  device: str | torch.device) -> Generator:
+    """The base model with the adapter's layers in place (not merged), on the generating backend."""
+    from titanite.config import ModelConfig
+    from titanite.data.tokenizer import load_tokenizer
+    from titanite.lora import adapter
+    from titanite.models.spec import get_spec
+
+    cfg, recorded = adapter.read_config(folder)
+    base = str(base or recorded)
+    if not base or not Path(base).is_dir():
+        raise UserError(f"--model: adapter {folder} records its base as {recorded!r}, which is not a local "
+                        "folder; pass --base with the base model's folder")
+    adapter.check_base(folder, recorded, base)
+    handle = get_spec(GENERATION_SPEC).build(ModelConfig(spec=GENERATION_SPEC, hf_path=base))
+    handle.apply_lora(cfg)
+    handle.check_hf(base)
+    handle.module.to_empty(device="cpu")
+    handle.init_buffers()
+    handle.load_hf(base)
+    adapter.load_adapter(folder, handle.module, handle.lora.targets, cfg, base)
+    handle.module.to(device=device, dtype=dtype)
+    handle.init_buffers()
+    tokenizer = load_tokenizer(base)
+    return _assemble(handle.module.eval(), tokenizer.path, "", [Path(base)])
 
 
 def _from_hf_folder(folder: Path, tokenizer_folder: Path, chat_template: str,
@@ -192,7 +224,8 @@ def _from_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str | torch.d
     if not handle.supports_generation:
         # Another backend's model: go through its HF export, which the generating backend loads.
         with tempfile.TemporaryDirectory() as tmp:
-            export_hf(handle.hf_state_dict(), handle.hf_config(), Path(tmp) / "hf", DEFAULT_SHARD_MB)
+            export_hf(handle.hf_state_dict(merged=handle.lora is not None), handle.hf_config(), Path(tmp) / "hf",
+                      DEFAULT_SHARD_MB)
             del handle
             return _from_hf_folder(Path(tmp) / "hf", tokenizer.path.parent, cfg.data.chat_template,
                                    dtype, device)

@@ -45,6 +45,7 @@ from titanite.data.sources import STDLIB
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
 from titanite.errors import UserError
 from titanite.files import check_writable_folder, require_regular
+from titanite import lora
 from titanite.models.handle import ModelHandle
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.spec import get_spec
@@ -82,6 +83,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     grad_accum = _grad_accum_steps(cfg, dims.dp)
     kernels.load_plugins(cfg.kernels.plugins)
     handle = get_spec(cfg.model.spec).build(cfg.model)
+    if cfg.lora.enabled:  # before the kernels attach: the adapters replace modules they bind
+        handle.apply_lora(cfg.lora)
     hf_config = handle.hf_config()
     max_pos = hf_config.get("max_position_embeddings")
     if max_pos is not None and cfg.data.seq_len > max_pos:
@@ -90,11 +93,14 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     handle.attach_kernels(choose_loss(cfg, handle, device), device.type, compute_dtype)
     check_layout(dims, handle)
-    # A run that will resume reads its weights from the checkpoint, not from model.hf_path.
+    # A run that will resume reads its weights from the checkpoint, not from model.hf_path; a
+    # LoRA run's checkpoints hold only the adapters, so its base is always read.
     resuming = cfg.checkpoint.resume and bool(list_checkpoints(Path(cfg.job.output_dir) / "checkpoints"))
-    weights = None if resuming else weights_to_load(cfg.model)
+    weights = None if resuming and handle.lora is None else weights_to_load(cfg.model)
     if weights is not None:
         handle.check_hf(weights)
+    if handle.lora is not None:
+        check_lora(cfg, handle, weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
     check_data_stores(cfg, tokenizer, hf_config["vocab_size"])
@@ -138,6 +144,34 @@ def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
         raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
                         f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "
                         "parallelism.ep = 1")
+
+
+def check_lora(cfg: Config, handle: ModelHandle, weights: str | None) -> None:
+    """What [lora] needs of the model, the layout and the files."""
+    if weights is None:
+        raise UserError(f"lora.enabled: model.hf_path = {cfg.model.hf_path} has no *.safetensors weights; LoRA "
+                        "trains adapters on a published base, so the base weights must be there")
+    if cfg.parallelism.ep > 1 and handle.backend == "hf" and any(t.experts for t in handle.lora.targets):
+        raise UserError("config key 'lora.target_modules': peft's adapters on transformers' fused experts "
+                        "cannot be sharded by expert parallelism (parallelism.ep > 1); use model.spec = "
+                        "'qwen3' (the same adapters, sharded with the experts) or leave experts.* out of "
+                        "target_modules")
+    if cfg.lora.adapter_path:
+        from titanite.lora import adapter
+
+        folder = Path(cfg.lora.adapter_path)
+        theirs, recorded = adapter.read_config(folder)
+        mine = {t.short_name for t in handle.lora.targets}
+        if theirs.rank != cfg.lora.rank or set(theirs.target_modules) != mine:
+            raise UserError(f"config key 'lora.adapter_path': {folder} has rank {theirs.rank} on "
+                            f"{', '.join(sorted(theirs.target_modules))}, but [lora] asks for rank "
+                            f"{cfg.lora.rank} on {', '.join(sorted(mine))}")
+        adapter.check_base(folder, recorded, cfg.model.hf_path)
+    n_train, n_all = lora.counts(handle.module)
+    log.info("LoRA: %d adapters (rank %d, alpha %g) on %s; %s trainable of %s parameters (%.3f%%)",
+             len(handle.lora.targets), cfg.lora.rank, cfg.lora.alpha,
+             ", ".join(sorted({t.short_name for t in handle.lora.targets})), f"{n_train:,}", f"{n_all:,}",
+             100 * n_train / n_all)
 
 
 def check_input_paths(cfg: Config) -> None:

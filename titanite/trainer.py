@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from titanite import device as devices
+from titanite import lora
 from titanite.checkpoint import training_state
 from titanite.checkpoint.finite import FiniteWatch, all_finite, first_nonfinite, optimizer_tensors
 from titanite.checkpoint.hf_weights import export_hf
@@ -31,6 +32,7 @@ from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
 from titanite.kernels import IGNORE_INDEX
+from titanite.lora import adapter as lora_adapter
 from titanite.models.handle import TrainOutput
 from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
@@ -139,16 +141,24 @@ class Trainer:
 
     def _materialize(self, weights: str | None, resuming: bool) -> None:
         """Allocate the meta model on the device, then load `weights` (an HF folder) or
-        initialise (seeded); a run that resumes leaves that to the checkpoint."""
+        initialise (seeded); a run that resumes leaves that to the checkpoint, except for a LoRA
+        model's frozen base, which its checkpoints do not hold."""
         self.model.to_empty(device=self.device)
         self.handle.init_buffers()
         torch.manual_seed(self.cfg.job.seed)
-        if resuming:
+        adapters = self.handle.lora
+        if resuming and adapters is None:
             return
         if weights is not None:
             self.handle.load_hf(weights)
         else:
             self.handle.init_weights(self.cfg.model.init_std)
+        if adapters is not None:
+            lora.init_adapters(self.model, adapters.targets, adapters.cfg, self.cfg.job.seed)
+            if adapters.cfg.adapter_path and not resuming:
+                lora_adapter.load_adapter(Path(adapters.cfg.adapter_path), self.model, adapters.targets, adapters.cfg,
+                                          self.cfg.model.hf_path)
+                log.info("adapters start from %s", adapters.cfg.adapter_path)
         self.handle.init_buffers()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -345,11 +355,24 @@ class Trainer:
     def _finish(self, save: bool) -> None:
         if save:
             self._save()
-        if self.cfg.checkpoint.export_hf:
+        if not self.cfg.checkpoint.export_hf:
+            return
+        if self.handle.lora is None:
             self.export(self.out / "hf")
+            return
+        self.export_adapter(self.out / "adapter")
+        if self.cfg.checkpoint.export_merged:
+            self.export(self.out / "hf", merged=True)
 
-    def export(self, out: Path) -> None:
-        tensors = self.handle.hf_state_dict(distributed.full_tensor)
+    def export_adapter(self, out: Path) -> None:
+        """The adapters in peft's format (titanite/lora/adapter.py)."""
+        factors = list(self.handle.adapter_factors(distributed.full_tensor))  # a collective on every rank
+        if self.rank == 0:
+            lora_adapter.write_adapter(out, factors, self.handle.lora.cfg, self.cfg.model.hf_path)
+            log.info("exported the LoRA adapter (peft format) to %s", out)
+
+    def export(self, out: Path, merged: bool = False) -> None:
+        tensors = self.handle.hf_state_dict(distributed.full_tensor, merged=merged)
         config = self.handle.hf_config()
         if self.rank == 0:
             export_hf(tensors, config, out, self.cfg.checkpoint.export_shard_mb,

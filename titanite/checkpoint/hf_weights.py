@@ -26,6 +26,7 @@ class StateDictAdapter(Protocol):
     def to_hf(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]: ...
     def from_hf(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor: ...
     def ignorable_hf_keys(self) -> set[str]: ...
+    def skips(self, name: str) -> bool: ...
 
 
 def _plan(model: nn.Module, adapter: StateDictAdapter, reader: HFReader) -> list[tuple[str, torch.Tensor, list[str]]]:
@@ -34,6 +35,8 @@ def _plan(model: nn.Module, adapter: StateDictAdapter, reader: HFReader) -> list
     Works on a meta-device model, so it can run before anything is allocated."""
     plan = []
     for name, target in model.state_dict().items():
+        if adapter.skips(name):
+            continue
         pairs = adapter.to_hf(name, torch.empty(target.shape, dtype=target.dtype, device="meta"))
         for hf_key, expected in pairs:
             if hf_key not in reader:

@@ -57,7 +57,7 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
-def _read_header(path: Path) -> dict[str, dict]:
+def read_header(path: Path) -> dict[str, dict]:
     """Parse and check one safetensors header: {key: {"dtype", "shape", "data_offsets"}}.
 
     Layout: 8-byte little-endian header length N, N bytes of JSON, then the data; offsets are
@@ -140,7 +140,7 @@ class HFReader:
 
     def _add_files(self, files: list[Path]) -> None:
         for path in files:
-            for key, info in _read_header(path).items():
+            for key, info in read_header(path).items():
                 if key in self._file:
                     raise UserError(f"tensor '{key}' is in both {self._file[key]} and {path}")
                 self._file[key], self._info[key] = path, info
@@ -157,7 +157,7 @@ class HFReader:
                 if not path.is_file():
                     raise UserError(f"index file {index_path} maps tensor '{key}' to shard "
                                     f"{path}, which does not exist")
-                headers[shard] = _read_header(path)
+                headers[shard] = read_header(path)
             if key not in headers[shard]:
                 raise UserError(f"index file {index_path} maps tensor '{key}' to shard {path}, "
                                 "which does not contain it")
@@ -240,6 +240,15 @@ def write_hf_folder(out: str | Path, tensors: Iterable[tuple[str, torch.Tensor]]
             raise UserError(f"extra file {path} to copy into {out} does not exist")
         if path.name in reserved or path.name.endswith(".safetensors"):
             raise UserError(f"extra file {path} would overwrite the model file {path.name}")
+    return write_folder(out, lambda tmp: _write_contents(tmp, tensors, config, max_shard_bytes, extra,
+                                                         generation_config))
+
+
+def write_folder(out: str | Path, fill) -> Path:
+    """Build a folder atomically: `fill(tmp)` writes into a sibling `.tmp-<name>-<pid>`, which
+    is fsynced and renamed to `out`; an existing `out` is replaced only once the new folder is
+    complete. A failure leaves `out` as it was and removes the partial folder."""
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"output path {out} exists and is not a folder")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +257,7 @@ def write_hf_folder(out: str | Path, tensors: Iterable[tuple[str, torch.Tensor]]
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        _write_contents(tmp, tensors, config, max_shard_bytes, extra, generation_config)
+        fill(tmp)
         _fsync(*tmp.iterdir(), tmp)
         _swap_in(tmp, out)
     finally:

@@ -58,6 +58,9 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 _WRITER = re.compile(r"__(\d+)_")  # DCP names each rank's shard files __<rank>_<n>.distcp
 STATE_FILE = "trainer_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# Training state is what trains: a LoRA model's frozen base is re-read from model.hf_path, so a
+# checkpoint holds only its adapters (and every buffer). A full fine-tune freezes nothing.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
 class CheckpointUnusable(UserError):
@@ -118,7 +121,7 @@ def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         _barrier()
-        state = {"model": get_model_state_dict(model),
+        state = {"model": get_model_state_dict(model, options=_TRAINABLE),
                  "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
                  "rng": {"cpu": torch.get_rng_state()}}
         with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended
@@ -308,7 +311,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointUnusable(f"checkpoint {path} failed verification: {problems[0]}{more}")
     trainer_state = read_trainer_state(path)
-    model_sd = get_model_state_dict(model)
+    model_sd = get_model_state_dict(model, options=_TRAINABLE)
     state: dict[str, Any] = {"model": model_sd}
     optim_full = None
     if optimizer is not None:
@@ -326,7 +329,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointUnusable(f"checkpoint {path} cannot be loaded into this model/optimizer: "
                                  f"{_first_line(e)}") from None
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     if optimizer is not None:
         optim_full.update(state["optim"])
         set_optimizer_state_dict(model, optimizer, optim_full, options=_FLAT)

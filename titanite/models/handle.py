@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
-from titanite.config import KernelsConfig
+from titanite import lora
+from titanite.config import KernelsConfig, LoraConfig
 from titanite.models.flops import flops_per_token
 from titanite.models.qwen3.args import Qwen3Args
 
@@ -64,6 +65,14 @@ class ModelOptions:
     moe_bias_update_rate: float = 0.0
 
 
+@dataclass
+class Lora:
+    """A LoRA model's adapters (see titanite/lora)."""
+
+    cfg: LoraConfig
+    targets: list[lora.LoraTarget]
+
+
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, ModelHandle] = weakref.WeakKeyDictionary()
 
 
@@ -98,6 +107,7 @@ class ModelHandle(ABC):
         # Set by the tensor-parallel plan: the head is sharded over the vocabulary, so the loss
         # comes from sharded logits (loss_parallel), not from the fused loss op.
         self.vocab_parallel = False
+        self.lora: Lora | None = None  # set by apply_lora
         _HANDLES[module] = self
 
     # -- what the model is -----------------------------------------------------------------
@@ -136,24 +146,60 @@ class ModelHandle(ABC):
     def state_dict_adapter(self) -> StateDictAdapter:
         """The mapping between this model's state-dict keys and the Hugging Face on-disk keys."""
 
+    def base_adapter(self) -> StateDictAdapter:
+        """The mapping of the base weights: with LoRA, adapter keys are left out and peft's
+        wrapper levels (`.base_layer`) are looked through."""
+        inner = self.state_dict_adapter()
+        return inner if self.lora is None else lora.BaseWeightsAdapter(inner)
+
     def check_hf(self, folder: str) -> None:
         """Every check load_hf makes before reading data (names, shapes, dtypes); works on the
         meta-device model."""
-        check_hf_weights(self.module, self.state_dict_adapter(), folder)
+        check_hf_weights(self.module, self.base_adapter(), folder)
 
     def load_hf(self, folder: str) -> None:
-        """Copy the weights of a local HF folder into the materialised model."""
-        load_with_adapter(self.module, self.state_dict_adapter(), folder)
+        """Copy the weights of a local HF folder into the materialised model (the base of a
+        LoRA model; its adapters are left as they are)."""
+        load_with_adapter(self.module, self.base_adapter(), folder)
         self.init_buffers()
 
-    def hf_state_dict(self, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_state_dict(self, gather: Gather | None = None, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF key, full tensor) pairs in the on-disk Hub layout, one at a time. `gather` turns a
         sharded tensor into the full one before the adapter splits it (stacked experts cut across
-        ranks otherwise); every rank walks the same keys, so its collectives line up."""
-        adapter, gather = self.state_dict_adapter(), gather or _identity
+        ranks otherwise); every rank walks the same keys, so its collectives line up.
+        `merged` (LoRA): each adapted weight is W + scale * B @ A; otherwise the base as loaded."""
+        adapter, gather = self.base_adapter(), gather or _identity
+        merge = {t.base: t for t in self.lora.targets} if merged and self.lora is not None else {}
         for name, tensor in self.module.state_dict().items():
-            if not self.is_alias(name):
-                yield from adapter.to_hf(name, gather(tensor))
+            if self.is_alias(name) or adapter.skips(name):
+                continue
+            full = gather(tensor)
+            if name in merge:
+                t = merge[name]
+                a, b = lora.factors(self.module, t)
+                a, b = t.a_canonical(gather(a.detach())), t.b_canonical(gather(b.detach()))
+                full = (full.float() + lora.delta(t, a, b, lora.scale(self.lora.cfg))).to(full.dtype)
+            yield from adapter.to_hf(name, full)
+
+    def adapter_factors(self, gather: Gather | None = None) -> Iterator[tuple[lora.LoraTarget, torch.Tensor, torch.Tensor]]:
+        """(target, A, B) for every adapter, full and in the canonical shapes (titanite/lora)."""
+        assert self.lora is not None, "not a LoRA model"
+        gather = gather or _identity
+        for t in self.lora.targets:
+            a, b = lora.factors(self.module, t)
+            yield t, t.a_canonical(gather(a.detach())), t.b_canonical(gather(b.detach()))
+
+    def apply_lora(self, cfg: LoraConfig) -> None:
+        """Put adapters into the meta-device model and freeze (and cast) the base."""
+        targets = self._inject_lora(cfg)
+        lora.freeze_base(self.module, targets, cfg.base_dtype)
+        self.lora = Lora(cfg, targets)
+
+    def _inject_lora(self, cfg: LoraConfig) -> list[lora.LoraTarget]:
+        """Put the backend's adapters in place; the targets in a fixed order (layer, projection)."""
+        from titanite.errors import UserError
+
+        raise UserError(f"config key 'lora.enabled': model.spec = '{self.backend}' has no LoRA support")
 
     def is_alias(self, name: str) -> bool:
         """True for a state-dict key that is another key's tensor under a second name (a tied

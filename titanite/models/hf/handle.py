@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from titanite.config import KernelsConfig, ModelConfig
+from titanite.config import KernelsConfig, LoraConfig, ModelConfig
+from titanite.lora import LoraTarget
 from titanite.errors import UserError
 from titanite.models.handle import ActivationProfile, ModelHandle, TrainOutput
 from titanite.models.hf import config as hf_config
@@ -91,6 +92,12 @@ class HFModel(ModelHandle):
 
     def is_alias(self, name: str) -> bool:
         return self.args.tie_word_embeddings and name == PREFIX + HEAD  # the embedding, written once
+
+    def _inject_lora(self, cfg: LoraConfig) -> list[LoraTarget]:
+        from titanite.lora import hf as lora_hf
+
+        self.module.tie()
+        return lora_hf.apply(self.module, cfg)
 
     def init_weights(self, std: float) -> None:
         self.module.init_weights(std)

@@ -46,6 +46,10 @@ class HFStateDictAdapter:
             return t
         return fuse_experts(_KINDS[m.group(2)], tensors)
 
+    def skips(self, name: str) -> bool:
+        """Keys of this model's state dict that are not weights of the Hugging Face layout."""
+        return False
+
     def ignorable_hf_keys(self) -> set[str]:
         """A tied checkpoint may still carry a copy of the head; the embedding is the weight."""
         return {HEAD} if self.tied else set()

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from titanite.checkpoint.safetensors_io import read_hf_config
-from titanite.config import KernelsConfig, ModelConfig
+from titanite.config import KernelsConfig, LoraConfig, ModelConfig
+from titanite.lora import LoraTarget
 from titanite.errors import UserError
 from titanite.models.handle import ActivationProfile, AllReduce, Gather, ModelHandle, ModelOptions, TrainOutput
 from titanite.models.moe_stats import load_balancing_loss, routing_stats
@@ -66,11 +67,16 @@ class Qwen3Model(ModelHandle):
     def state_dict_adapter(self) -> Qwen3StateDictAdapter:
         return Qwen3StateDictAdapter(self.args)
 
-    def hf_state_dict(self, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_state_dict(self, gather: Gather | None = None, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if any(bool(m.router.expert_bias.any()) for _, m in moe_layers(self.module)):
             log.warning("the MoE routing bias (model.moe_bias_update_rate) is not part of the Hugging Face "
                         "layout and is left out of the export: transformers will route without it")
-        yield from super().hf_state_dict(gather)
+        yield from super().hf_state_dict(gather, merged)
+
+    def _inject_lora(self, cfg: LoraConfig) -> list[LoraTarget]:
+        from titanite.lora import native
+
+        return native.apply(self.module, cfg)
 
     def init_weights(self, std: float) -> None:
         self.module.init_weights(std)

@@ -76,6 +76,10 @@ class Qwen3StateDictAdapter:
         (t,) = tensors
         return t
 
+    def skips(self, name: str) -> bool:
+        """Keys of this model's state dict that are not weights of the Hugging Face layout."""
+        return False
+
     def ignorable_hf_keys(self) -> set[str]:
         """HF keys a checkpoint may carry that the native model has no parameter for."""
         return {"lm_head.weight"} if self.args.tie_word_embeddings else set()

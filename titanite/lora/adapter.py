@@ -1,0 +1,145 @@
+"""The adapter folder in peft's format: `adapter_config.json` + `adapter_model.safetensors`.
+
+Keys are peft's, for the transformers model of the same base:
+`base_model.model.<peft layer path>.lora_{A,B}.weight`, with the experts' factors in peft's
+fused-experts shapes. Both backends write the same file: the native model's adapters are
+placed through a meta-device transformers skeleton of the base with peft's own layers injected
+(`peft_layout`), so the names and shapes are peft's, not a copy of its rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from titanite.checkpoint.safetensors_io import read_header, read_hf_config, write_folder
+from titanite.config import LoraConfig, ModelConfig
+from titanite.errors import UserError
+from titanite.lora import EXPERT_TARGETS, LoraTarget, factors
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def peft_layout(cfg: LoraConfig, base_folder: str) -> tuple[dict[str, LoraTarget], torch.nn.Module]:
+    """({target key: the target as peft places it}, the module they are named in) on a
+    meta-device transformers model of the base checkpoint's config.json."""
+    from transformers import AutoModelForCausalLM
+
+    from titanite.lora import hf as lora_hf
+    from titanite.models.hf import config as hf_config
+
+    config, _, _ = hf_config.resolve(ModelConfig(spec="hf", hf_path=base_folder))
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    wrapper = torch.nn.Module()
+    wrapper.hf = hf
+    return {t.key: t for t in lora_hf.apply(wrapper, cfg)}, wrapper
+
+
+def _names(target: LoraTarget) -> tuple[str, str]:
+    return f"{PREFIX}{target.peft_module}.lora_A.weight", f"{PREFIX}{target.peft_module}.lora_B.weight"
+
+
+def write_adapter(out: Path, factors, cfg: LoraConfig, base_folder: str) -> Path:
+    """Write the adapter folder atomically. `factors`: (target, A, B) with full canonical
+    factors (ModelHandle.adapter_factors)."""
+    from titanite.lora.hf import peft_config
+
+    layout, _ = peft_layout(cfg, base_folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for t, a, b in factors:
+        p = layout[t.key]
+        name_a, name_b = _names(p)
+        tensors[name_a] = p.a_backend(a).detach().to("cpu").contiguous()
+        tensors[name_b] = p.b_backend(b).detach().to("cpu").contiguous()
+    config = peft_config(cfg, {t.short_name for t in layout.values()}, str(Path(base_folder).resolve()))
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        config.save_pretrained(str(tmp))
+
+    return write_folder(out, fill)
+
+
+def read_config(folder: Path) -> tuple[LoraConfig, str]:
+    """(titanite's [lora] settings, the base recorded in it) from an adapter folder; anything
+    titanite cannot reproduce is refused by name."""
+    path = folder / CONFIG_NAME
+    if not (folder / WEIGHTS_NAME).is_file() or not path.is_file():
+        raise UserError(f"{folder} is not a LoRA adapter folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from e
+    if raw.get("peft_type") != "LORA":
+        raise UserError(f"{path}: peft_type is {raw.get('peft_type')!r}; titanite reads LoRA adapters only")
+    for key in ("use_dora", "use_rslora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                "layers_to_transform", "modules_to_save", "trainable_token_indices"):
+        if raw.get(key):
+            raise UserError(f"{path}: '{key}' is {raw[key]!r}, which titanite's adapters cannot represent")
+    modules = raw.get("target_modules") or []
+    if isinstance(modules, str):
+        raise UserError(f"{path}: target_modules is the pattern {modules!r}; titanite needs a list of names")
+    params = [p.removeprefix("mlp.") for p in raw.get("target_parameters") or []]
+    unknown = [p for p in params if p not in EXPERT_TARGETS]
+    if unknown:
+        raise UserError(f"{path}: target_parameters {unknown} are not MoE expert projections titanite adapts")
+    init = "gaussian" if raw.get("init_lora_weights") == "gaussian" else "kaiming"
+    cfg = LoraConfig(enabled=True, rank=int(raw.get("r", 0)), alpha=float(raw.get("lora_alpha", 0)),
+                     dropout=float(raw.get("lora_dropout") or 0.0), target_modules=sorted(modules) + params,
+                     init=init)
+    return cfg, raw.get("base_model_name_or_path") or ""
+
+
+def check_base(folder: Path, recorded: str, hf_path: str) -> None:
+    """The adapter was trained on a base with hf_path's architecture: when the recorded base
+    folder exists, their config.json must describe the same model."""
+    from titanite.models.qwen3.args import from_hf_config
+
+    if not recorded or not Path(recorded).is_dir() or Path(recorded).resolve() == Path(hf_path).resolve():
+        return
+    theirs = from_hf_config(read_hf_config(recorded), where=f"{recorded}/config.json")
+    ours = from_hf_config(read_hf_config(hf_path), where=f"{hf_path}/config.json")
+    diff = [f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)]
+    if diff:
+        raise UserError(f"adapter {folder} was trained on base {recorded} (its {CONFIG_NAME}), which is not "
+                        f"the model in model.hf_path = {hf_path}: config.json differs in {', '.join(diff[:4])}")
+
+
+@torch.no_grad()
+def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget], cfg: LoraConfig,
+                 base_folder: str) -> None:
+    """Copy an adapter folder's factors into a LoRA model's (materialised, unsharded) targets,
+    after checking every name and shape against what peft would hold for this base."""
+    path = folder / WEIGHTS_NAME
+    header = read_header(path)
+    layout, skeleton = peft_layout(cfg, base_folder)
+    expected: dict[str, tuple[int, ...]] = {}
+    for t in targets:
+        p = layout[t.key]
+        for name, param in zip(_names(p), factors(skeleton, p)):
+            expected[name] = tuple(param.shape)
+    for name, shape in expected.items():
+        if name not in header:
+            raise UserError(f"adapter {path} has no tensor '{name}' (this base and [lora] target_modules need it)")
+        if tuple(header[name]["shape"]) != shape:
+            raise UserError(f"tensor '{name}' in {path} has shape {header[name]['shape']}, expected {list(shape)} "
+                            f"for the base in {base_folder}: the adapter belongs to another model")
+    extra = sorted(set(header) - set(expected))
+    if extra:
+        raise UserError(f"adapter {path} has tensors this model has no place for, e.g. '{extra[0]}' "
+                        f"({len(extra)} in all): is it this base's adapter?")
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for t in targets:
+            p = layout[t.key]
+            name_a, name_b = _names(p)
+            a, b = factors(module, t)
+            a.copy_(t.a_backend(p.a_canonical(f.get_tensor(name_a).float())))
+            b.copy_(t.b_backend(p.b_canonical(f.get_tensor(name_b).float())))
