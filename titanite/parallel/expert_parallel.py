@@ -113,7 +113,7 @@ def apply_expert_parallel_qwen3(model: nn.Module, ep_mesh: DeviceMesh) -> list[n
         if not isinstance(experts, GroupedExperts):
             continue  # a dense layer (mlp_only_layers, decoder_sparse_step)
         shard_experts(experts, ep_mesh)
-        experts.forward = expert_parallel_forward(experts, ep_mesh, GroupedExperts.forward)
+        experts.forward = expert_parallel_forward(experts, ep_mesh, type(experts).forward)  # LoRA experts too
         groups.append(experts)
     return _report(groups, ep_mesh)
 
