@@ -264,7 +264,7 @@ BAD = {
     "unknown target": ({"lora.target_modules": '["q_proj", "qkv_proj"]'}, "'qkv_proj' is not a module name titanite knows; this model has: q_proj"),
     "target this model lacks": ({"lora.target_modules": '["experts.down_proj"]'}, "'experts.down_proj' is not a module this model has"),
     "rank 0": ({"lora.rank": 0}, "'lora.rank' must be a positive integer"),
-    "tensor parallel": ({"parallelism.tp": 2}, "no tensor-parallel plan for adapters"),
+    "dropout under tensor parallel": ({"parallelism.tp": 2, "lora.dropout": 0.1}, "would draw a different mask on each"),
     "no base": ({"model.hf_path": ""}, "'model.hf_path' is not set"),
     "bf16 base in fp32": ({"lora.base_dtype": "bf16"}, "a bf16 base needs bf16 compute"),
 }
@@ -318,6 +318,9 @@ LAYOUTS = {
     "fsdp": ("dense", 2, {}),
     "hf_fsdp_experts": ("moe", 2, {"model.spec": "hf"}),
     "ep": ("moe", 2, {"parallelism.ep": 2}),
+    "tp": ("dense", 2, {"parallelism.tp": 2}),
+    "hf_tp": ("dense", 2, {"model.spec": "hf", "parallelism.tp": 2}),
+    "ep_tp": ("moe", 4, {"parallelism.ep": 2, "parallelism.tp": 2}),
     "hf_hsdp_checkpointing": ("dense", 4, {"model.spec": "hf", "parallelism.dp_replicate": 2,
                                            "parallelism.activation_checkpoint": "full"}),
     "fsdp_ep_checkpointing": ("moe", 4, {"parallelism.ep": 2, "parallelism.activation_checkpoint": "selective"}),
@@ -343,9 +346,13 @@ def test_layout_matches_one_process(layout, bases, data, tmp_path):
         assert "on this rank (ep=2)" in proc.stderr + proc.stdout
     assert_same_run(tmp_path / "ref", tmp_path / "run", [1, 2, 3, 4])
     assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
+    # The factors, gathered from every layout's shards into peft's layout. AdamW divides each
+    # element's step by its own gradient scale, so an element whose gradient is near zero moves by
+    # up to ~lr on fp32 reduction-order noise alone: the factors are held to a tenth of one step
+    # (lr 1e-2), the merged weights above (what the model computes with) to 1e-5.
     ref, run = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("ref", "run"))
     assert ref.keys() == run.keys()
-    assert all((ref[k] - run[k]).abs().max().item() <= 1e-5 for k in ref)
+    assert all(ref[k].shape == run[k].shape and (ref[k] - run[k]).abs().max().item() <= 1e-3 for k in ref)
     if layout == "fsdp":  # resharding resume: the 2-rank checkpoint at step 2, continued on 1 rank
         from tests.test_distributed import resume_dir
 

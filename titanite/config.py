@@ -381,10 +381,10 @@ def validate_lora(cfg: Config) -> None:
         raise UserError("config key 'lora.base_dtype' is 'bf16' but 'training.mixed_precision' is "
                         f"{cfg.training.mixed_precision!r}: a bf16 base needs bf16 compute; set "
                         "training.mixed_precision = 'bf16' or lora.base_dtype = 'fp32'")
-    if cfg.parallelism.tp > 1:
-        raise UserError(f"config key 'parallelism.tp' is {cfg.parallelism.tp} with lora.enabled: titanite "
-                        "has no tensor-parallel plan for adapters yet; shard the frozen base with FSDP "
-                        "(parallelism.dp_shard) instead")
+    if cfg.parallelism.tp > 1 and lo.dropout:
+        raise UserError(f"config key 'lora.dropout' is {lo.dropout} with parallelism.tp = {cfg.parallelism.tp}: "
+                        "the adapters' input is replicated over the tensor-parallel ranks, and dropout there "
+                        "would draw a different mask on each; set lora.dropout = 0 or parallelism.tp = 1")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

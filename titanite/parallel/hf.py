@@ -37,6 +37,7 @@ from titanite.models.handle import ModelHandle
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import shard_model, uses_fsdp
+from titanite.parallel.lora_tp import adapt_plan, keep_frozen
 
 
 def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
@@ -45,7 +46,8 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
     hf = model.hf
     tied = handle.args.tie_word_embeddings
     if world.dims is not None and world.dims.tp > 1:
-        apply_tensor_parallel_hf(hf, world.meshes["tp"], tied)
+        with keep_frozen(hf):
+            apply_tensor_parallel_hf(hf, world.meshes["tp"], tied)
         handle.vocab_parallel = True
     expert_params: list = []
     if world.dims is not None and world.dims.ep > 1:
@@ -111,7 +113,7 @@ def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bo
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     })
     for layer in causal_lm.model.layers:
-        parallelize_module(layer, tp_mesh, _layer_plan(sparse=hasattr(layer.mlp, "experts")))
+        parallelize_module(layer, tp_mesh, adapt_plan(_layer_plan(sparse=hasattr(layer.mlp, "experts")), layer))
     if tied:
         # Each style registered its own Parameter; the head must use the embedding's (both are
         # vocabulary-sharded [V, H], so one DTensor serves both).

@@ -13,6 +13,7 @@ from titanite.models.handle import ModelHandle
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import shard_model, uses_fsdp
+from titanite.parallel.lora_tp import keep_frozen
 from titanite.parallel.tensor_parallel import apply_tensor_parallel_qwen3
 
 
@@ -21,7 +22,8 @@ def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
     p, model = cfg.parallelism, handle.module
     dims = world.dims
     if dims is not None and dims.tp > 1:
-        apply_tensor_parallel_qwen3(model, world.meshes["tp"])
+        with keep_frozen(model):
+            apply_tensor_parallel_qwen3(model, world.meshes["tp"])
         # The fused head + loss op takes a whole [V, H] head; with a vocabulary-sharded head the
         # model returns sharded logits and the trainer's cross-entropy runs under loss_parallel.
         handle.vocab_parallel = True

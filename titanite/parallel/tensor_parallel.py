@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from titanite.parallel.lora_tp import adapt_plan
+
 
 def _gather_sequence(mesh: DeviceMesh):
     """Forward pre-hook: the module's first input arrives sequence-sharded [B, S/tp, H] and is
@@ -90,7 +92,7 @@ def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.norm.register_forward_hook(_replicate_output)
     for block in model.layers:
         sparse = hasattr(block.feed_forward, "experts")
-        parallelize_module(block, tp_mesh, _block_plan(sparse))
+        parallelize_module(block, tp_mesh, adapt_plan(_block_plan(sparse), block))
         block.attention.register_forward_pre_hook(_gather_sequence(tp_mesh))
         block.feed_forward.register_forward_pre_hook(_gather_sequence(tp_mesh))
         if sparse:
