@@ -368,3 +368,39 @@ def test_checkpointing_and_compile_train_the_same_adapters(bases, data, tmp_path
                                            "parallelism.activation_checkpoint": "full"}))).train()
     ref, run = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "run")
     assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(ref, run, strict=True))
+
+
+# -- the LoRA config and its tiny twin ------------------------------------------------------------
+
+def test_lora_config_and_its_tiny_twin_share_one_structure():
+    import tomllib
+
+    from tests.conftest import REPO
+
+    full, tiny = (tomllib.loads((REPO / "configs" / f"qwen3-4b-instruct-2507-{n}.toml").read_text())
+                  for n in ("lora", "lora-tiny"))
+    assert {s: sorted(t) for s, t in full.items()} == {s: sorted(t) for s, t in tiny.items()}
+    assert full["lora"]["enabled"] and full["data"]["chat_loss"] == "assistant"
+    load_config(str(REPO / "configs" / "qwen3-4b-instruct-2507-lora.toml"))  # valid as written
+
+
+def test_tiny_lora_config_trains_on_chat_data(tmp_path):
+    from peft import PeftModel
+
+    from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
+
+    base = make_hf_checkpoint(tmp_path / "base", make_chat_tokenizer(tmp_path / "tok"))
+    chats = write_jsonl(tmp_path / "chat.jsonl", toy_conversations(4))
+    out = tmp_path / "run"
+    proc = run_cli("train", "--config", "configs/qwen3-4b-instruct-2507-lora-tiny.toml",
+                   f"--model.hf_path={base}", f"--data.path={chats}", f"--eval.path={chats}",
+                   f"--job.output_dir={out}", "--metrics.progress_bar=off")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainable of" in proc.stderr  # the parameter counts at start-up
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert any(k.startswith("eval") for r in rows for k in r)
+    peft_model = PeftModel.from_pretrained(base_model(base), out / "adapter")
+    with torch.no_grad():
+        merged = base_model(out / "hf")(ids()).logits
+        assert (peft_model.eval()(ids()).logits - merged).abs().max().item() <= 1e-5
