@@ -404,3 +404,25 @@ def test_tiny_lora_config_trains_on_chat_data(tmp_path):
     with torch.no_grad():
         merged = base_model(out / "hf")(ids()).logits
         assert (peft_model.eval()(ids()).logits - merged).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("spec,targets", [("qwen3", '["all-linear"]'), ("qwen3", '["q_proj", "v_proj"]'),
+                                          ("hf", '["all-linear"]')])
+def test_lora_flops_per_token_are_the_matmuls_autograd_runs(bases, data, tmp_path, spec, targets):
+    """MFU counts what a LoRA step computes: torch's FLOP counter over one forward + backward
+    of the dense model equals the count's matmul part (the counter does not see CPU attention,
+    whose FLOPs are the count's attention term)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = load_config(None, lora_args(bases["dense"], data, tmp_path / "run",
+                                      **{"model.spec": spec, "lora.target_modules": targets}))
+    trainer = Trainer(cfg)
+    a, s = trainer.handle.args, ids().shape[1]
+    attention = 12 * a.num_layers * a.num_heads * a.head_dim * s
+    batch = {"input_ids": ids(), "position_ids": torch.arange(s).expand(2, s), "labels": ids()}
+    with FlopCounterMode(display=False) as counter:
+        out = trainer.handle.forward_train(batch)
+        out.loss_sum.backward()
+    trainer.close()
+    per_token = counter.get_total_flops() / (2 * s)
+    assert per_token == pytest.approx(trainer.handle.flops_per_token(s) - attention, rel=1e-9)

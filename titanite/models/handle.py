@@ -26,7 +26,7 @@ from torch import nn
 from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
 from titanite import lora
 from titanite.config import KernelsConfig, LoraConfig
-from titanite.models.flops import flops_per_token
+from titanite.models.flops import flops_per_token, lora_flops_per_token
 from titanite.models.qwen3.args import Qwen3Args
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # a sharded tensor -> the full tensor (a collective)
@@ -117,8 +117,15 @@ class ModelHandle(ABC):
         """The config.json dict an HF export of this model carries."""
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token, attention included."""
-        return flops_per_token(self.args, seq_len)
+        """Training FLOPs (forward + backward) per token, attention included; a LoRA model's
+        frozen weights are counted without their weight gradients."""
+        if self.lora is None:
+            return flops_per_token(self.args, seq_len)
+        numel = self.module.get_parameter
+        linear = sum(numel(t.a).numel() + numel(t.b).numel() for t in self.lora.targets if not t.experts)
+        first_qkv = sum(numel(t.a).numel() for t in self.lora.targets
+                        if t.key.startswith("model.layers.0.") and t.short_name in ("q_proj", "k_proj", "v_proj"))
+        return lora_flops_per_token(self.args, seq_len, linear, any(t.experts for t in self.lora.targets), first_qkv)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
