@@ -426,3 +426,16 @@ def test_lora_flops_per_token_are_the_matmuls_autograd_runs(bases, data, tmp_pat
     trainer.close()
     per_token = counter.get_total_flops() / (2 * s)
     assert per_token == pytest.approx(trainer.handle.flops_per_token(s) - attention, rel=1e-9)
+
+
+def test_resume_on_a_changed_base_is_refused(bases, data, tmp_path, tiny_tokenizer_dir):
+    import shutil
+
+    base = Path(shutil.copytree(bases["dense"], tmp_path / "base"))
+    out = tmp_path / "run"
+    Trainer(load_config(None, lora_args(base, data, out, steps=2))).train()
+    make_hf_checkpoint(base, tiny_tokenizer_dir, seed=9)  # re-saved: the same shapes, other weights
+    proc = run_cli("train", *lora_args(base, data, out, steps=4))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "trained on another base" in proc.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # nothing lost, nothing added

@@ -28,7 +28,7 @@ from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
 from titanite.data.loader import make_loader
 from titanite.data.prefetch import Prefetcher
-from titanite.errors import TrainingDiverged
+from titanite.errors import TrainingDiverged, UserError
 from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
 from titanite.kernels import IGNORE_INDEX
@@ -105,8 +105,13 @@ class Trainer:
         self._materialize(ready.weights, resuming)
         parallelize(self.handle, self.world, cfg)
         self.optimizer = build_optimizer(self.model, cfg.training)
+        self.lora_base = lora_adapter.base_fingerprint(cfg.model.hf_path) if self.handle.lora else None
         if resuming:
             path, state = training_state.resume(self.ckpt_root, self.model, self.optimizer)
+            if self.lora_base is not None and state.get("lora_base") != self.lora_base:
+                raise UserError(f"{path} holds LoRA adapters trained on another base than model.hf_path = "
+                                f"{cfg.model.hf_path} (its config.json or safetensors changed since); point "
+                                "model.hf_path at the original base, or use another job.output_dir")
             self.step = state["step"]
             self.loader.load_state_dict(state["data"])
             log.info("resumed from %s at step %d", path, self.step)
@@ -345,9 +350,11 @@ class Trainer:
 
     def _save(self) -> Path:
         self._stop_if_nonfinite(before_save=True)
-        path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer,
-                                   {"data": self.loader.state_dict()}, self.config_toml,
-                                   self.cfg.checkpoint.keep_latest)
+        state: dict[str, Any] = {"data": self.loader.state_dict()}
+        if self.handle.lora is not None:  # the base the adapters belong to (re-read on resume)
+            state["lora_base"] = self.lora_base
+        path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer, state,
+                                   self.config_toml, self.cfg.checkpoint.keep_latest)
         if self.rank == 0:
             log.info("saved checkpoint %s", path)
         return path

@@ -10,6 +10,7 @@ placed through a meta-device transformers skeleton of the base with peft's own l
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -96,6 +97,27 @@ def read_config(folder: Path) -> tuple[LoraConfig, str]:
                      dropout=float(raw.get("lora_dropout") or 0.0), target_modules=sorted(modules) + params,
                      init=init)
     return cfg, raw.get("base_model_name_or_path") or ""
+
+
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+
+
+def base_fingerprint(base_folder: str) -> str:
+    """A digest of a base checkpoint: its config.json, each safetensors file's name, size and
+    header, and 16 evenly spaced 64 KiB samples of its data (1 MiB a file, not gigabytes), so it
+    is cheap at every resume, survives a copy or a move of the folder, and changes when the
+    model is replaced by another or re-saved with other weights."""
+    folder = Path(base_folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}:".encode())
+        h.update(json.dumps(read_header(path), sort_keys=True).encode())
+        with open(path, "rb") as f:
+            for i in range(_SAMPLES):
+                f.seek(max(0, (size - _SAMPLE_BYTES) * i // (_SAMPLES - 1)))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def check_base(folder: Path, recorded: str, hf_path: str) -> None:
