@@ -120,6 +120,16 @@ def test_merged_export_is_peft_merge_and_loads_in_transformers(runs, bases, spec
         assert (ours(ids()).logits - merged(ids()).logits).abs().max().item() <= 1e-5
 
 
+def test_save_pretrained_of_a_lora_model_writes_it_merged(runs, tmp_path):
+    import titanite
+
+    run = runs["qwen3", "moe"]
+    _, handle = load_checkpoint_model(training_state.latest_checkpoint(run / "checkpoints"))
+    titanite.save_pretrained(handle.module, tmp_path / "saved")
+    ours, theirs = load_file(tmp_path / "saved" / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_merged_weight_is_base_plus_scaled_b_a(runs, bases):
     """The dense q_proj of layer 0, by hand: W + B @ A x alpha / rank."""
     run = runs["qwen3", "dense"]
@@ -439,3 +449,5 @@ def test_resume_on_a_changed_base_is_refused(bases, data, tmp_path, tiny_tokeniz
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "trained on another base" in proc.stderr
     assert [r["step"] for r in read_metrics(out)] == [1, 2]  # nothing lost, nothing added
+    with pytest.raises(UserError, match="trained on another base"):  # nor merged onto it by an export
+        export_checkpoint(training_state.latest_checkpoint(out / "checkpoints"), tmp_path / "x", 5000, merged=True)

@@ -30,8 +30,9 @@ def save_pretrained(model: nn.Module, path: str | Path, max_shard_mb: int = DEFA
     """Write `model` (from load_pretrained, a trainer, or any titanite backend's build) in the
     Hugging Face layout at `path`, with config.json, and generation/tokenizer files from the
     folder it was loaded from. Sharded (DTensor) weights are gathered, one tensor at a time:
-    call it on every rank."""
+    call it on every rank. A LoRA model is written with its adapters merged in (what it computes)."""
     handle = handle_of(model)
     source = [handle.source_folder] if handle.source_folder else []
-    return export_hf(handle.hf_state_dict(full_tensor), handle.hf_config(), path, max_shard_mb,
+    return export_hf(handle.hf_state_dict(full_tensor, merged=handle.lora is not None), handle.hf_config(), path,
+                     max_shard_mb,
                      source_folders=source)

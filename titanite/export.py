@@ -12,7 +12,7 @@ from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, load_config
 from titanite.data.tokenizer import load_tokenizer
 from titanite.errors import UserError
-from titanite.lora.adapter import write_adapter
+from titanite.lora.adapter import base_fingerprint, write_adapter
 from titanite.models.handle import ModelHandle
 from titanite.models.spec import get_spec
 
@@ -43,7 +43,11 @@ def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> 
     with torch.no_grad():
         if handle.lora is not None:
             handle.load_hf(cfg.model.hf_path)
-        training_state.load(checkpoint, handle.module, optimizer=None)
+        state = training_state.load(checkpoint, handle.module, optimizer=None)
+    if handle.lora is not None and state.get("lora_base") != base_fingerprint(cfg.model.hf_path):
+        raise UserError(f"{checkpoint} holds LoRA adapters trained on another base than its model.hf_path = "
+                        f"{cfg.model.hf_path} (its config.json or safetensors changed since the run); "
+                        "restore the original base there")
     return cfg, handle
 
 
