@@ -16,13 +16,19 @@ Per rank, in bytes:
 - transient: FSDP's gathered copies (the root group, and two blocks: the current one and the
   one prefetched) and one block's unsharded gradients before the reduce-scatter.
 The peak is their sum; allocator fragmentation and communication buffers come on top.
+
+A LoRA run (`[lora] enabled`) is counted by titanite/estimate_lora.py: the frozen base in
+lora.base_dtype with no gradients or optimizer state, fp32 adapters with both, and the adapters'
+own activations and transients on top of the full fine-tune's.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from titanite.config import Config
 from titanite.device import Peak
@@ -30,6 +36,9 @@ from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from titanite.estimate_lora import LoraParams
 
 GiB = 2**30
 
@@ -58,6 +67,7 @@ class Estimate:
     transient: float
     flops_per_step: float  # per rank, training (forward + backward + recomputation)
     tokens_per_step: int  # global
+    lora: LoraParams | None = None  # a LoRA run's parameter counts (params = its base + adapters)
 
     @property
     def total(self) -> float:
@@ -125,18 +135,24 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
 
 
 def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: bool, value_bytes: int,
-                     sp: bool = True) -> tuple[float, float]:
+                     sp: bool = True, extra: Callable[[int, str], float] | None = None,
+                     top_extra: float = 0.0) -> tuple[float, float]:
     """(bytes kept for backward at the end of forward, bytes of the one block recomputed in
-    backward) for one micro-batch of `tokens` tokens on one rank."""
+    backward) for one micro-batch of `tokens` tokens on one rank. `extra(i, mode)` and
+    `top_extra`: values per token that block `i` under checkpointing `mode`, and the rest of the
+    model, keep on top of (or, negative, below) the full fine-tune's count (LoRA's)."""
+    def block(i: int, mode: str) -> float:
+        return layer_activation_elems(a, i, tp, mode, sp) + (extra(i, mode) if extra else 0.0)
+
     H = a.hidden_size
     seq = 1 / tp if sp else 1.0
-    per_token = sum(layer_activation_elems(a, i, tp, ac, sp) for i in range(a.num_layers))
+    per_token = sum(block(i, ac) for i in range(a.num_layers))
     recompute = 0.0
     if ac != "none":
-        recompute = max(layer_activation_elems(a, i, tp, "none", sp) for i in range(a.num_layers))
+        recompute = max(block(i, "none") for i in range(a.num_layers))
     # final norm (its input, rsqrt, normalised value) and its gathered output; RoPE cos/sin;
     # input ids (int64).
-    per_token += seq * (2 * H + 1) + H + 2 * a.head_dim + 2
+    per_token += seq * (2 * H + 1) + H + 2 * a.head_dim + 2 + top_extra
     # The loss: the chunked fused loss keeps one fp32 log-sum-exp per token; otherwise the
     # (vocab-sharded) logits and their log-softmax stay alive until backward.
     per_token += 2 * a.vocab_size / tp if keeps_logits else 1
@@ -162,37 +178,84 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     a, t = args, cfg.training
     layers = [_layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
     top = _top_tensors(a, d.tp)
-    local = _sharded([x for layer in layers for x in layer] + top, d)
-    fsdp = d.dp > 1
-    param_bytes = 2 if t.mixed_precision == "bf16" else 4  # the compute copy FSDP gathers
-    transient = 0.0
-    if fsdp:
-        unsharded = [sum(x.numel for x in layer) for layer in layers]
-        biggest = max(unsharded)
-        root = sum(x.numel for x in top) if a.tie_word_embeddings else 0
-        transient = (root + 2 * biggest) * param_bytes + biggest * 4
     tokens = t.batch_size * cfg.data.seq_len
-    value_bytes = 2 if t.mixed_precision == "bf16" else 4
-    kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
-                                       profile.keeps_logits, value_bytes, sp=profile.sequence_parallel)
+    if cfg.lora.enabled:
+        from titanite.estimate_lora import lora_memory
+
+        memory, lora = lora_memory(cfg, a, d, layers, top, tokens, profile)
+    else:
+        memory, lora = _full_memory(cfg, a, d, layers, top, tokens, profile), None
     global_tokens = (t.global_batch_size or t.batch_size * d.dp) * cfg.data.seq_len
-    flops = flops_per_token(a, cfg.data.seq_len) * global_tokens / world_size
+    if cfg.lora.enabled:
+        from titanite.estimate_lora import flops_per_token as lora_flops
+
+        per_token = lora_flops(a, cfg.lora, cfg.data.seq_len)
+    else:
+        per_token = flops_per_token(a, cfg.data.seq_len)
+    flops = per_token * global_tokens / world_size
     if cfg.parallelism.activation_checkpoint == "full":
         flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
-    return Estimate(d, local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient, flops, global_tokens)
+    return Estimate(d, *memory, flops, global_tokens, lora=lora)
+
+
+def fsdp_transient(d: ParallelDims, a: Qwen3Args, blocks: list[int], top: list[Tensor], grads: list[int],
+                   gather_bytes: int) -> float:
+    """Bytes of FSDP's gathered copies (the root group when the embeddings are tied, the biggest
+    block twice: current and prefetched) in `gather_bytes`, and the biggest block's unsharded fp32
+    gradients; `blocks` and `grads`: each block's unsharded elements and gradient elements."""
+    if d.dp == 1:
+        return 0.0
+    root = sum(x.numel for x in top) if a.tie_word_embeddings else 0
+    return (root + 2 * max(blocks)) * gather_bytes + max(grads) * 4.0
+
+
+def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],
+                 tokens: int, profile: ActivationProfile) -> list[float]:
+    """[params, grads, optimizer, activations, recompute, transient] bytes per rank of a full fine-tune."""
+    local = _sharded([x for layer in layers for x in layer] + top, d)
+    compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4  # the copy FSDP gathers, the values
+    unsharded = [sum(x.numel for x in layer) for layer in layers]
+    transient = fsdp_transient(d, a, unsharded, top, unsharded, compute_bytes)
+    kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
+                                       profile.keeps_logits, compute_bytes, sp=profile.sequence_parallel)
+    return [local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient]
+
+
+def _state_rows(e: Estimate) -> list[tuple[str, float]]:
+    """The parameter, gradient and optimizer rows (bytes per rank)."""
+    if e.lora is None:
+        return [("parameters (fp32, sharded)", e.params), ("gradients (fp32, sharded)", e.grads),
+                ("optimizer (AdamW, fp32)", e.optimizer)]
+    return [(f"parameters: frozen base ({e.lora.base_dtype}, sharded)", e.lora.base_bytes),
+            ("parameters: adapters (fp32, sharded)", e.lora.adapter_bytes),
+            ("gradients (adapters only, fp32, sharded)", e.grads),
+            ("optimizer (AdamW, adapters only, fp32)", e.optimizer)]
+
+
+def _lora_line(e: Estimate, cfg: Config) -> list[str]:
+    """The LoRA run's parameter counts (none for a full fine-tune)."""
+    if e.lora is None:
+        return []
+    n, lo = e.lora, cfg.lora
+    return [f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, targets {', '.join(lo.target_modules)}: "
+            f"{n.adapters:,} trainable parameters (adapters) of {n.total:,} total "
+            f"({n.base:,} frozen base; {100 * n.adapters / n.total:.3g}% trainable)"]
 
 
 def report(e: Estimate, cfg: Config, peak: Peak | None = None) -> str:
     d = e.dims
-    rows = [("parameters (fp32, sharded)", e.params), ("gradients (fp32, sharded)", e.grads),
-            ("optimizer (AdamW, fp32)", e.optimizer),
-            (f"activations (micro-batch {cfg.training.batch_size} x {cfg.data.seq_len}, "
-             f"checkpointing {cfg.parallelism.activation_checkpoint})", e.activations),
-            ("recomputed block (checkpointing)", e.recompute),
-            ("transient (FSDP gathers, unsharded grads)", e.transient), ("peak", e.total)]
+    transient = "FSDP gathers, unsharded grads"
+    if e.lora is not None:
+        experts = ", effective expert weights" if e.lora.experts_adapted else ""
+        transient = f"FSDP gathers, unsharded adapter grads{experts}"
+    rows = _state_rows(e) + [
+        (f"activations (micro-batch {cfg.training.batch_size} x {cfg.data.seq_len}, "
+         f"checkpointing {cfg.parallelism.activation_checkpoint})", e.activations),
+        ("recomputed block (checkpointing)", e.recompute), (f"transient ({transient})", e.transient),
+        ("peak", e.total)]
     width = max(len(r[0]) for r in rows)
-    lines = [f"layout: {d.describe()}, mixed precision {cfg.training.mixed_precision}",
-             "memory per rank:"]
+    lines = [f"layout: {d.describe()}, mixed precision {cfg.training.mixed_precision}"]
+    lines += _lora_line(e, cfg) + ["memory per rank:"]
     lines += [f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows]
     lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} "
                  f"({e.tokens_per_step} tokens per step over all ranks)")
