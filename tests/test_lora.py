@@ -288,9 +288,11 @@ def test_bad_lora_settings_are_refused(case, bases, data, tmp_path):
     assert not (tmp_path / "run" / "config.toml").exists()
 
 
-def test_dropout_on_experts_is_refused(bases, data, tmp_path):
+@pytest.mark.parametrize("spec", ["qwen3", "hf"])
+def test_dropout_on_experts_is_refused(bases, data, tmp_path, spec):
     with pytest.raises(UserError, match="MoE experts are targeted"):
-        Trainer(load_config(None, lora_args(bases["moe"], data, tmp_path / "run", **{"lora.dropout": 0.1})))
+        Trainer(load_config(None, lora_args(bases["moe"], data, tmp_path / "run",
+                                            **{"lora.dropout": 0.1, "model.spec": spec})))
 
 
 def test_export_merged_without_lora_is_refused(bases, data, tmp_path):

@@ -145,10 +145,12 @@ def chosen_targets(cfg: LoraConfig, available: Iterable[str]) -> set[str]:
     return set(cfg.target_modules)
 
 
-def check_dropout(cfg: LoraConfig, targets: list[LoraTarget]) -> None:
-    if cfg.dropout and any(t.experts for t in targets):
+def check_dropout(cfg: LoraConfig, wanted: set[str]) -> None:
+    """Before any adapter is made: dropout cannot act on expert adapters."""
+    experts = sorted(n for n in wanted if n in EXPERT_TARGETS)
+    if cfg.dropout and experts:
         raise UserError(f"config key 'lora.dropout' is {cfg.dropout} but MoE experts are targeted "
-                        f"({', '.join(sorted({t.short_name for t in targets if t.experts}))}): an experts "
+                        f"({', '.join(experts)}): an experts "
                         "adapter is folded into the expert weights, where input dropout has no place (peft "
                         "refuses it too); set lora.dropout = 0 or leave the experts out of target_modules")
 

@@ -71,6 +71,7 @@ def apply(wrapper: nn.Module, cfg: LoraConfig) -> list[LoraTarget]:
 
     hf = wrapper.hf
     wanted = chosen_targets(cfg, available(hf))
+    check_dropout(cfg, wanted)  # before peft, which raises its own ValueError
     peft.inject_adapter_in_model(peft_config(cfg, wanted), hf, adapter_name=ADAPTER_NAME)
     targets: list[LoraTarget] = []
     for name, module in hf.named_modules():
@@ -81,22 +82,15 @@ def apply(wrapper: nn.Module, cfg: LoraConfig) -> list[LoraTarget]:
         if isinstance(module, ParamWrapper):
             param = module.parameter_name
             experts_path = base_key(name)  # ...mlp.experts (wrappers nest for two parameters)
-            base_module = module.get_base_layer()
-            base_name = _module_name(hf, base_module)
+            base_module, base_name = module, name
+            while isinstance(base_module, ParamWrapper):  # the experts module under the wrappers
+                base_module, base_name = base_module.base_layer, f"{base_name}.base_layer"
             targets.append(LoraTarget(f"{experts_path}.{param}", f"hf.{base_name}.{param}", a, b, experts=True,
                                       peft_module=name, **_experts_converters(getattr(base_module, param).shape[0])))
         else:
             targets.append(LoraTarget(name, f"hf.{name}.base_layer.weight", a, b, peft_module=name))
     targets.sort(key=lambda t: _order(t.key))
-    check_dropout(cfg, targets)
     return targets
-
-
-def _module_name(root: nn.Module, module: nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is module:
-            return name
-    raise AssertionError("module not under root")
 
 
 def _order(key: str) -> tuple:

@@ -102,6 +102,7 @@ def apply(model: nn.Module, cfg: LoraConfig) -> list[LoraTarget]:
     """Put the adapters into the (meta-device) native model in place; returns them in a fixed
     order (layer, then the table's order)."""
     wanted = chosen_targets(cfg, available(model))
+    check_dropout(cfg, wanted)
     s = scale(cfg)
     targets: list[LoraTarget] = []
     for i, block in enumerate(model.layers):
@@ -123,5 +124,4 @@ def apply(model: nn.Module, cfg: LoraConfig) -> list[LoraTarget]:
                 where = f"layers.{i}.feed_forward.experts"
                 targets.append(LoraTarget(f"model.layers.{i}.mlp.experts.{_EXPERT_PARAMS[p]}", f"{where}.{p}",
                                           f"{where}.lora_{p}_A", f"{where}.lora_{p}_B", experts=True))
-    check_dropout(cfg, targets)
     return targets
