@@ -130,7 +130,7 @@ class LoraConfig:
     alpha: float = _f(32.0, "Scale: the update is B @ A x alpha / rank.")
     dropout: float = _f(0.0, "Dropout on the adapter's input, in [0, 1). Must be 0 when MoE experts are targeted (peft cannot represent it there).")
     target_modules: list[str] = _f([LORA_ALL], "Hugging Face module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (dense MLPs), experts.gate_up_proj, experts.down_proj (MoE experts' fused projections); 'all-linear' = every one of them this model has (not the head or the router).")
-    base_dtype: str = _f("fp32", "Storage of the frozen base weights: 'fp32' or 'bf16' (needs training.mixed_precision = 'bf16'). Adapters, their gradients and optimizer state stay fp32.",
+    base_dtype: str = _f("fp32", "Storage of the frozen base weights: 'fp32' or 'bf16' (needs training.mixed_precision = 'bf16'). Adapters, their gradients and optimizer state stay fp32. With a bf16 base the embedding output, and so the residual stream and the norms, are bf16 too (with an fp32 base, autocast keeps them fp32).",
                          choices=("fp32", "bf16"))
     init: str = _f("kaiming", "Adapter init: B = 0 and A Kaiming-uniform ('kaiming', peft's default) or A normal with std 1/rank ('gaussian'). Drawn per adapter from job.seed and its name, so every layout and both backends start from the same adapters.",
                    choices=("kaiming", "gaussian"))
@@ -381,6 +381,9 @@ def validate_lora(cfg: Config) -> None:
         raise UserError("config key 'lora.base_dtype' is 'bf16' but 'training.mixed_precision' is "
                         f"{cfg.training.mixed_precision!r}: a bf16 base needs bf16 compute; set "
                         "training.mixed_precision = 'bf16' or lora.base_dtype = 'fp32'")
+    if cfg.checkpoint.export_merged and not cfg.checkpoint.export_hf:
+        raise UserError("config key 'checkpoint.export_merged' is true but 'checkpoint.export_hf' is false: "
+                        "export_hf switches every export at the end of a run on; set it to true too")
     if cfg.parallelism.tp > 1 and lo.dropout:
         raise UserError(f"config key 'lora.dropout' is {lo.dropout} with parallelism.tp = {cfg.parallelism.tp}: "
                         "the adapters' input is replicated over the tensor-parallel ranks, and dropout there "

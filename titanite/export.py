@@ -19,13 +19,15 @@ from titanite.models.spec import get_spec
 log = logging.getLogger("titanite")
 
 
-def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> tuple[Config, ModelHandle]:
+def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False,
+                          base: bool = True) -> tuple[Config, ModelHandle]:
     """The run config and its model, restored on CPU from a checkpoints/step-N folder.
 
     The checkpoint is verified first (manifest, hashes, safe metadata). Its config.toml is data
     from the checkpoint, so nothing in it may run code: `model.trust_remote_code` is taken from
     the caller (off unless the user passes it), and `kernels.plugins` is not imported (exports
-    and generation do not need kernels)."""
+    and generation do not need kernels). `base=False` (LoRA: writing the adapter alone) leaves the
+    frozen base unread."""
     config_file = checkpoint / "config.toml"
     if not config_file.is_file():
         raise UserError(f"{checkpoint} has no config.toml: not a titanite checkpoint folder (checkpoints/step-N)")
@@ -41,7 +43,7 @@ def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False) -> 
     handle.module.to_empty(device="cpu")
     handle.init_buffers()
     with torch.no_grad():
-        if handle.lora is not None:
+        if handle.lora is not None and base:
             handle.load_hf(cfg.model.hf_path)
         state = training_state.load(checkpoint, handle.module, optimizer=None)
     if handle.lora is not None and state.get("lora_base") != base_fingerprint(cfg.model.hf_path):
@@ -55,7 +57,7 @@ def export_checkpoint(checkpoint: Path, out: Path, shard_mb: int, trust_remote_c
                       merged: bool = False) -> Path:
     """A LoRA checkpoint gives its adapter in peft's format, or with `merged` the base with the
     adapters merged in; any other checkpoint gives its model."""
-    cfg, handle = load_checkpoint_model(checkpoint, trust_remote_code)
+    cfg, handle = load_checkpoint_model(checkpoint, trust_remote_code, base=merged)
     if merged and handle.lora is None:
         raise UserError(f"--merged: {checkpoint} is not a LoRA run's checkpoint (lora.enabled is false); "
                         "export it without --merged")

@@ -100,7 +100,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     if weights is not None:
         handle.check_hf(weights)
     if handle.lora is not None:
-        check_lora(cfg, handle, weights)
+        check_lora(cfg, handle, weights, resuming)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
     check_data_stores(cfg, tokenizer, hf_config["vocab_size"])
@@ -146,8 +146,9 @@ def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
                         "parallelism.ep = 1")
 
 
-def check_lora(cfg: Config, handle: ModelHandle, weights: str | None) -> None:
-    """What [lora] needs of the model, the layout and the files."""
+def check_lora(cfg: Config, handle: ModelHandle, weights: str | None, resuming: bool) -> None:
+    """What [lora] needs of the model, the layout and the files (lora.adapter_path only for a
+    fresh run: a resume continues from its checkpoint)."""
     if weights is None:
         raise UserError(f"lora.enabled: model.hf_path = {cfg.model.hf_path} has no *.safetensors weights; LoRA "
                         "trains adapters on a published base, so the base weights must be there")
@@ -156,17 +157,18 @@ def check_lora(cfg: Config, handle: ModelHandle, weights: str | None) -> None:
                         "cannot be sharded by expert parallelism (parallelism.ep > 1); use model.spec = "
                         "'qwen3' (the same adapters, sharded with the experts) or leave experts.* out of "
                         "target_modules")
-    if cfg.lora.adapter_path:
+    if cfg.lora.adapter_path and not resuming:
         from titanite.lora import adapter
 
         folder = Path(cfg.lora.adapter_path)
         theirs, recorded = adapter.read_config(folder)
         mine = {t.short_name for t in handle.lora.targets}
-        if theirs.rank != cfg.lora.rank or set(theirs.target_modules) != mine:
-            raise UserError(f"config key 'lora.adapter_path': {folder} has rank {theirs.rank} on "
-                            f"{', '.join(sorted(theirs.target_modules))}, but [lora] asks for rank "
-                            f"{cfg.lora.rank} on {', '.join(sorted(mine))}")
+        if (theirs.rank, theirs.alpha, set(theirs.target_modules)) != (cfg.lora.rank, cfg.lora.alpha, mine):
+            raise UserError(f"config key 'lora.adapter_path': {folder} has rank {theirs.rank}, alpha {theirs.alpha:g} "
+                            f"on {', '.join(sorted(theirs.target_modules))}, but [lora] asks for rank "
+                            f"{cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(sorted(mine))}")
         adapter.check_base(folder, recorded, cfg.model.hf_path)
+        adapter.check_adapter(folder, handle.lora.targets, cfg.lora, cfg.model.hf_path)
     n_train, n_all = lora.counts(handle.module)
     log.info("LoRA: %d adapters (rank %d, alpha %g) on %s; %s trainable of %s parameters (%.3f%%)",
              len(handle.lora.targets), cfg.lora.rank, cfg.lora.alpha,

@@ -108,10 +108,8 @@ class Trainer:
         self.lora_base = lora_adapter.base_fingerprint(cfg.model.hf_path) if self.handle.lora else None
         if resuming:
             path, state = training_state.resume(self.ckpt_root, self.model, self.optimizer)
-            if self.lora_base is not None and state.get("lora_base") != self.lora_base:
-                raise UserError(f"{path} holds LoRA adapters trained on another base than model.hf_path = "
-                                f"{cfg.model.hf_path} (its config.json or safetensors changed since); point "
-                                "model.hf_path at the original base, or use another job.output_dir")
+            if self.lora_base is not None:
+                self._check_lora_resume(path, state)
             self.step = state["step"]
             self.loader.load_state_dict(state["data"])
             log.info("resumed from %s at step %d", path, self.step)
@@ -133,6 +131,23 @@ class Trainer:
         log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
                  "device %s, peak %s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
                  cfg.training.mixed_precision, self.accum, self.device, self.peak.describe())
+
+    def _check_lora_resume(self, path: Path, state: dict[str, Any]) -> None:
+        """A LoRA checkpoint continues only on its base and with its [lora] settings: DCP loads
+        the keys this model asks for, so fewer targets or another alpha would pass silently."""
+        cfg = self.cfg
+        if state.get("lora_base") != self.lora_base:
+            raise UserError(f"{path} holds LoRA adapters trained on another base than model.hf_path = "
+                            f"{cfg.model.hf_path} (its config.json or safetensors changed since); point "
+                            "model.hf_path at the original base, or use another job.output_dir")
+        saved, now = state.get("lora"), lora.settings(cfg.lora, self.handle.lora.targets)
+        if saved != now:
+            what = [k for k in now if saved is None or saved.get(k) != now[k]]
+            raise UserError(f"{path} was trained with other [lora] settings ({', '.join(what)} differ: "
+                            f"rank {saved and saved.get('rank')}, alpha {saved and saved.get('alpha')}, "
+                            f"{len(saved.get('targets', [])) if saved else 0} targets; now rank {now['rank']}, "
+                            f"alpha {now['alpha']}, {len(now['targets'])} targets); restore them, or use another "
+                            "job.output_dir")
 
     def close(self, remove_empty_output: bool = False) -> None:
         """Release the output folder's lock (train() does this itself; call it after driving
@@ -252,7 +267,10 @@ class Trainer:
         aux_total: torch.Tensor | None = None
         stats: dict[str, torch.Tensor] = {}
         self.model.train()
-        for b in batches:
+        dropout = self.handle.lora is not None and self.cfg.lora.dropout > 0
+        for micro, b in enumerate(batches):
+            if dropout:  # masks from (seed, step, micro-batch, rank): exact on resume, any device
+                torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, self.world.dp_rank))
             with self.world.loss_parallel():  # vocab-sharded logits under tensor parallel
                 out, loss_sum = self._forward(b)
                 loss = loss_sum / n_valid
@@ -353,6 +371,7 @@ class Trainer:
         state: dict[str, Any] = {"data": self.loader.state_dict()}
         if self.handle.lora is not None:  # the base the adapters belong to (re-read on resume)
             state["lora_base"] = self.lora_base
+            state["lora"] = lora.settings(self.handle.lora.cfg, self.handle.lora.targets)
         path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer, state,
                                    self.config_toml, self.cfg.checkpoint.keep_latest)
         if self.rank == 0:
@@ -373,10 +392,13 @@ class Trainer:
 
     def export_adapter(self, out: Path) -> None:
         """The adapters in peft's format (titanite/lora/adapter.py)."""
-        factors = list(self.handle.adapter_factors(distributed.full_tensor))  # a collective on every rank
+        factors = self.handle.adapter_factors(distributed.full_tensor)  # a collective per target, every rank
         if self.rank == 0:
             lora_adapter.write_adapter(out, factors, self.handle.lora.cfg, self.cfg.model.hf_path)
             log.info("exported the LoRA adapter (peft format) to %s", out)
+        else:
+            for _ in factors:
+                pass
 
     def export(self, out: Path, merged: bool = False) -> None:
         tensors = self.handle.hf_state_dict(distributed.full_tensor, merged=merged)

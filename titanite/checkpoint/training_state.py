@@ -329,7 +329,10 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointUnusable(f"checkpoint {path} cannot be loaded into this model/optimizer: "
                                  f"{_first_line(e)}") from None
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    # Strict unless the model has frozen weights, which the checkpoint leaves out by design (the
+    # loaded keys were checked against the checkpoint above either way).
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not frozen))
     if optimizer is not None:
         optim_full.update(state["optim"])
         set_optimizer_state_dict(model, optimizer, optim_full, options=_FLAT)

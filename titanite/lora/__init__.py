@@ -7,7 +7,8 @@ backend code works on those descriptions only:
 
 - initialisation (`init_adapters`): B = 0, A drawn from a generator seeded by (job.seed, the
   target's name), so both backends and every layout start from the same adapters;
-- the PEFT adapter folder and the merged export (titanite/lora/export.py);
+- the PEFT adapter folder (titanite/lora/adapter.py) and the merged export
+  (ModelHandle.hf_state_dict(merged=True));
 - the parameter counts the trainer logs.
 
 The canonical factor shapes, which every backend converts to and from:
@@ -158,6 +159,19 @@ def check_dropout(cfg: LoraConfig, wanted: set[str]) -> None:
 def _generator(seed: int, key: str) -> torch.Generator:
     digest = hashlib.sha256(f"titanite-lora:{seed}:{key}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """The seed of every generator (host and device) for one micro-batch's adapter dropout: a
+    function of where the run is, not of what ran before, so a resumed run draws the masks the
+    uninterrupted run drew, on any device, and each data-parallel rank draws its own."""
+    digest = hashlib.sha256(f"titanite-lora-dropout:{seed}:{step}:{micro}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def settings(cfg: LoraConfig, targets: list[LoraTarget]) -> dict:
+    """What a checkpoint's adapters were trained with; a resume must match it."""
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "targets": [t.key for t in targets]}
 
 
 def draw_a(shape: tuple[int, ...], seed: int, key: str, init: str, rank: int) -> torch.Tensor:

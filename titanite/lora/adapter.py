@@ -92,10 +92,23 @@ def read_config(folder: Path) -> tuple[LoraConfig, str]:
     unknown = [p for p in params if p not in EXPERT_TARGETS]
     if unknown:
         raise UserError(f"{path}: target_parameters {unknown} are not MoE expert projections titanite adapts")
-    init = "gaussian" if raw.get("init_lora_weights") == "gaussian" else "kaiming"
-    cfg = LoraConfig(enabled=True, rank=int(raw.get("r", 0)), alpha=float(raw.get("lora_alpha", 0)),
-                     dropout=float(raw.get("lora_dropout") or 0.0), target_modules=sorted(modules) + params,
-                     init=init)
+    init = raw.get("init_lora_weights", True)
+    if init not in (True, "gaussian"):
+        # pissa, olora, loftq, ... change the base weights too: this base plus the factors would
+        # not be the adapted model.
+        raise UserError(f"{path}: init_lora_weights is {init!r}; titanite reads adapters initialised with "
+                        "peft's default (true) or 'gaussian', whose base is the unchanged model")
+    if raw.get("bias", "none") != "none":
+        raise UserError(f"{path}: bias is {raw['bias']!r}; titanite's adapters have no bias terms")
+    try:
+        rank, alpha, dropout = int(raw.get("r", 0)), float(raw.get("lora_alpha", 0)), float(raw.get("lora_dropout") or 0)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: r, lora_alpha and lora_dropout must be numbers: {e}") from e
+    if rank <= 0 or alpha <= 0 or not 0 <= dropout < 1:
+        raise UserError(f"{path}: r = {rank}, lora_alpha = {alpha:g}, lora_dropout = {dropout:g}; r and "
+                        "lora_alpha must be > 0 and lora_dropout in [0, 1)")
+    cfg = LoraConfig(enabled=True, rank=rank, alpha=alpha, dropout=dropout, target_modules=sorted(modules) + params,
+                     init="gaussian" if init == "gaussian" else "kaiming")
     return cfg, raw.get("base_model_name_or_path") or ""
 
 
@@ -135,11 +148,10 @@ def check_base(folder: Path, recorded: str, hf_path: str) -> None:
                         f"the model in model.hf_path = {hf_path}: config.json differs in {', '.join(diff[:4])}")
 
 
-@torch.no_grad()
-def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget], cfg: LoraConfig,
-                 base_folder: str) -> None:
-    """Copy an adapter folder's factors into a LoRA model's (materialised, unsharded) targets,
-    after checking every name and shape against what peft would hold for this base."""
+def check_adapter(folder: Path, targets: list[LoraTarget], cfg: LoraConfig,
+                  base_folder: str) -> dict[str, LoraTarget]:
+    """Every tensor name and shape of an adapter folder against what peft holds for this base
+    and these targets (headers only); returns the peft layout."""
     path = folder / WEIGHTS_NAME
     header = read_header(path)
     layout, skeleton = peft_layout(cfg, base_folder)
@@ -158,6 +170,16 @@ def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget
     if extra:
         raise UserError(f"adapter {path} has tensors this model has no place for, e.g. '{extra[0]}' "
                         f"({len(extra)} in all): is it this base's adapter?")
+    return layout
+
+
+@torch.no_grad()
+def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget], cfg: LoraConfig,
+                 base_folder: str) -> None:
+    """Copy an adapter folder's factors into a LoRA model's (materialised, unsharded) targets,
+    after checking every name and shape against what peft would hold for this base."""
+    path = folder / WEIGHTS_NAME
+    layout = check_adapter(folder, targets, cfg, base_folder)
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for t in targets:
             p = layout[t.key]

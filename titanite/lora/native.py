@@ -71,7 +71,10 @@ class LoraGroupedExperts(GroupedExperts):
         if name not in self.adapted:
             return w
         a, b = getattr(self, f"lora_{name}_A"), getattr(self, f"lora_{name}_B")
-        return torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=self.scale)
+        # In the base's dtype, outside autocast, as peft folds it: the kernel op then casts the
+        # effective weight for compute like any other weight.
+        with torch.autocast(device_type=w.device.type, enabled=False):
+            return torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=self.scale)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, counts, self.effective("w_gate_up"), self.effective("w_down"))
