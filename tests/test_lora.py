@@ -305,12 +305,22 @@ def test_export_merged_without_lora_is_refused(bases, data, tmp_path):
 
 
 def test_adapter_of_another_base_is_refused(runs, bases, data, tmp_path, tiny_tokenizer_dir):
+    import shutil
+
+    adapter = runs["qwen3", "dense"] / "adapter"
+    # The same architecture with other weights: titanite's adapters name their base's weights.
+    same_shapes = make_hf_checkpoint(tmp_path / "same-shapes", tiny_tokenizer_dir, seed=11)
+    proc = run_cli("train", *lora_args(same_shapes, data, tmp_path / "run", **{"lora.adapter_path": adapter}))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "was trained on another base" in proc.stderr
+    assert not (tmp_path / "run").exists()
+    # Another tool's adapter (no titanite_base.json) recording a base of another architecture.
+    foreign = Path(shutil.copytree(adapter, tmp_path / "foreign"))
+    (foreign / "titanite_base.json").unlink()
     other = make_hf_checkpoint(tmp_path / "other", tiny_tokenizer_dir, hidden_size=64)
-    proc = run_cli("train", *lora_args(other, data, tmp_path / "run",
-                                       **{"lora.adapter_path": runs["qwen3", "dense"] / "adapter"}))
+    proc = run_cli("train", *lora_args(other, data, tmp_path / "run2", **{"lora.adapter_path": foreign}))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "which is not the model in model.hf_path" in proc.stderr and "hidden_size" in proc.stderr
-    assert not (tmp_path / "run").exists()
 
 
 def _re(text: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ from titanite.lora import EXPERT_TARGETS, LoraTarget, factors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+BASE_NAME = "titanite_base.json"  # beside peft's files (peft ignores it): which base, exactly
 PREFIX = "base_model.model."
+log = logging.getLogger("titanite")
 
 
 def peft_layout(cfg: LoraConfig, base_folder: str) -> tuple[dict[str, LoraTarget], torch.nn.Module]:
@@ -62,9 +65,12 @@ def write_adapter(out: Path, factors, cfg: LoraConfig, base_folder: str) -> Path
         tensors[name_b] = p.b_backend(b).detach().to("cpu").contiguous()
     config = peft_config(cfg, {t.short_name for t in layout.values()}, str(Path(base_folder).resolve()))
 
+    base = {"base": str(Path(base_folder).resolve()), "fingerprint": base_fingerprint(base_folder)}
+
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
+        (tmp / BASE_NAME).write_text(json.dumps(base, indent=2) + "\n")
 
     return write_folder(out, fill)
 
@@ -134,11 +140,28 @@ def base_fingerprint(base_folder: str) -> str:
 
 
 def check_base(folder: Path, recorded: str, hf_path: str) -> None:
-    """The adapter was trained on a base with hf_path's architecture: when the recorded base
-    folder exists, their config.json must describe the same model."""
+    """The adapter belongs to the base in hf_path. A titanite adapter names its base's
+    fingerprint (BASE_NAME), which must be hf_path's: the same weights, wherever the folder now
+    is. Otherwise (another tool's adapter) a recorded base folder that exists must have
+    hf_path's architecture; with nothing to compare, a warning says so."""
     from titanite.models.qwen3.args import from_hf_config
 
-    if not recorded or not Path(recorded).is_dir() or Path(recorded).resolve() == Path(hf_path).resolve():
+    sidecar = folder / BASE_NAME
+    if sidecar.is_file():
+        try:
+            theirs = json.loads(sidecar.read_text())["fingerprint"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{sidecar} is not titanite's base record: {e}") from e
+        if theirs != base_fingerprint(hf_path):
+            raise UserError(f"adapter {folder} was trained on another base than {hf_path} (its {BASE_NAME} "
+                            "names other weights or another config.json), which is not the model in "
+                            "model.hf_path; point it at the base the adapter was trained on")
+        return
+    if not recorded or not Path(recorded).is_dir():
+        log.warning("adapter %s records its base as %r, which is not a folder here: cannot check that it "
+                    "belongs to %s (its tensor shapes are checked)", folder, recorded, hf_path)
+        return
+    if Path(recorded).resolve() == Path(hf_path).resolve():
         return
     theirs = from_hf_config(read_hf_config(recorded), where=f"{recorded}/config.json")
     ours = from_hf_config(read_hf_config(hf_path), where=f"{hf_path}/config.json")
