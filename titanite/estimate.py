@@ -273,6 +273,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--world-size", type=int, default=0,
                         help="ranks (nodes x processes per node); default: the product of the degrees")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="also apply the real parallel plan to the real model on the meta device under a "
+                             "fake process group of --world-size ranks and report each rank's shards")
+    parser.add_argument("--device-memory-gib", type=float, default=0.0,
+                        help="with --rehearse: the memory of one device; a layout that does not fit is named "
+                             "with one that would")
     args, overrides = parser.parse_known_args(argv)
     from titanite.config import load_config
 
@@ -285,5 +291,22 @@ def main(argv: list[str]) -> int:
 
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     peak = peak_flops(pick_device(cfg.job.device), dtype, cfg.metrics.peak_tflops)
-    print(report(estimate(cfg, world), cfg, peak))
+    e = estimate(cfg, world)
+    print(report(e, cfg, peak))
+    if args.rehearse:
+        from titanite import rehearse
+
+        figures = rehearse.rehearse(cfg, world)
+        print(rehearse.report(figures, args.device_memory_gib or None))
+        f = max(figures, key=lambda x: x.states)
+        print(f"  rehearsal / estimate: parameters {f.params / e.params:.3f}, gradients "
+              f"{f.grads / max(e.grads, 1):.3f}, optimizer {f.optimizer / max(e.optimizer, 1):.3f}")
+        if args.device_memory_gib:
+            train_peak = f.states + e.activations + e.recompute + e.transient
+            if train_peak / GiB > args.device_memory_gib:
+                better = rehearse.fitting_layout(cfg, world, args.device_memory_gib)
+                print(f"  training peak {train_peak / GiB:.1f} GiB does not fit {args.device_memory_gib:g} GiB; "
+                      + (f"this layout would: {better}" if better else f"no layout of {world} ranks would"))
+            else:
+                print(f"  training peak {train_peak / GiB:.1f} GiB fits {args.device_memory_gib:g} GiB")
     return 0

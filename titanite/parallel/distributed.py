@@ -132,7 +132,8 @@ def local_numel(model: torch.nn.Module) -> int:
     for p in model.parameters():
         if hasattr(p, "to_local"):
             p = p.to_local()
-        total += p.untyped_storage().nbytes() // p.element_size() if p.numel() else 0
+        # The storage, not the view: FSDP allocates a padded shard even where a rank's rows are none.
+        total += p.untyped_storage().nbytes() // p.element_size()
     return total
 
 
