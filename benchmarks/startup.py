@@ -1,0 +1,395 @@
+"""Start-up memory and time of a ~400M-parameter Qwen3 on 1, 2, 4 and 8 CPU ranks.
+
+The baseline for sharded initialisation. Today titanite builds the model on the meta device,
+then on every rank materialises the whole model in fp32, loads or initialises it, and only then
+applies the parallel plan (FSDP2 over the ranks here); the issue's target is a per-rank peak of
+at most 1.1 x (16 bytes x parameters / N + the largest tensor), the sharded training state
+plus one full tensor.
+
+The model: a transformers Qwen3 (hidden 1024, 7 layers, MLP 3072, 16 query / 8 key-value heads
+of 64, an untied 151,936-row vocabulary: 399.3M parameters, the largest tensor an embedding of
+155.6M) saved with save_pretrained (safetensors, fp32) into a temporary folder by a separate
+process, with `data.tokenizer = "qwen3"` (the real Qwen3 tokenizer; its largest id is 151,668)
+and a small text file, tokenized once ahead of the runs into a token store they share.
+
+Every run is `python -m torch.distributed.run --standalone --nproc_per_node=N` (N = 1: plain
+python) of this file's rank wrapper, which runs titanite.train's main with
+`--model.init=random` (config.json only) or `--model.init=pretrained` (the safetensors),
+one step of 1 x 64 tokens, no export, no GEMM peak measurement, a fresh output folder
+(removed afterwards with its end-of-run checkpoint), OMP_NUM_THREADS=1. Measured:
+
+- start-up time: launch to the trainer's "model qwen3: ... parameters" line, the last thing
+  Trainer start-up logs (rank 0), stamped as the launcher's stderr delivers it;
+- each rank's peak RSS at the end of start-up: the wrapper wraps Trainer._start and reads the
+  kernel's VmHWM (/proc/self/status: the high-water mark of the resident set, kept by the
+  kernel, so exact, no sampling) right after the log line; again when the end-of-run checkpoint
+  save begins (through the training step) and at exit (the whole run). A background thread in
+  the wrapper also samples RssAnon every 10 ms, whose peak leaves out file pages (the
+  safetensors files are memory-mapped while loading; those pages count in VmHWM but are page
+  cache, shared between the ranks and reclaimable);
+- all of it above a baseline process that only imports titanite.trainer (torch, transformers),
+  measured by the same wrapper.
+
+Next to each row: the target, and `titanite estimate`'s per-rank figure for the same overrides
+and world size (titanite/estimate.py, in-process), which is for the training step.
+
+Before each run the free memory (MemAvailable, capped at --max-total-gib) is checked against
+what the run would need, from a rank's figures as measured on N ranks or the most ranks below
+N: N x the whole-run VmHWM plus 15% for the whole run. A run that would not fit stops every
+rank at the end of start-up instead (after a barrier, so no rank leaves while another is still
+in a start-up collective; "stopped" in the table) when N x the start-up anonymous peak, plus
+the weights' page cache once, plus 10%, fits; otherwise it is skipped with a note.
+
+    .venv/bin/python benchmarks/startup.py            # the docs/performance.md table (~5 min on 2 cores)
+    .venv/bin/python benchmarks/startup.py --quick    # 2 layers, hidden 512, 1 and 2 ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+RECORD_ENV = "TITANITE_STARTUP_BENCH_RECORD"
+STOP_ENV = "TITANITE_STARTUP_BENCH_STOP"  # "1": every rank stops at the end of start-up
+LOG_LINE = re.compile(r"model qwen3: .* parameters")
+
+
+# -- inside each rank ---------------------------------------------------------------------------
+
+
+def proc_status() -> dict[str, int]:
+    """VmHWM, VmRSS, RssAnon, RssFile of this process, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def rank_child(argv: list[str]) -> None:
+    """One rank (or the baseline): titanite.train's main, with VmHWM read at the end of
+    start-up and at exit; one JSON file per rank in $TITANITE_STARTUP_BENCH_RECORD."""
+    record = Path(os.environ[RECORD_ENV])
+    rank = int(os.environ.get("RANK", "0"))
+    peak_anon = [0]
+
+    def sample() -> None:
+        while True:
+            peak_anon[0] = max(peak_anon[0], proc_status()["RssAnon"])
+            time.sleep(0.01)
+
+    threading.Thread(target=sample, daemon=True).start()
+    import titanite.trainer
+
+    if argv == ["--baseline"]:
+        (record / "baseline.json").write_text(json.dumps({"exit": {**proc_status(), "peak_anon": peak_anon[0]}}))
+        return
+    marks: dict = {}
+    start = titanite.trainer.Trainer._start
+
+    def timed_start(self, ready):
+        start(self, ready)  # ends with the "model qwen3: ... parameters" log line
+        marks["startup"] = {"t": time.time(), **proc_status(), "peak_anon": peak_anon[0]}
+        if os.environ.get(STOP_ENV) == "1":
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()  # no rank leaves while another is still in a start-up collective
+            (record / f"rank-{rank}.json").write_text(json.dumps(marks))
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(0)
+
+    save = titanite.trainer.Trainer._save
+
+    def marked_save(self):
+        marks.setdefault("before_save", {"t": time.time(), **proc_status(), "peak_anon": peak_anon[0]})
+        return save(self)
+
+    titanite.trainer.Trainer._start = timed_start
+    titanite.trainer.Trainer._save = marked_save
+    from titanite.parallel.distributed import exit_process
+    from titanite.train import main
+
+    code = main(argv)
+    marks["exit"] = {"t": time.time(), **proc_status(), "peak_anon": peak_anon[0]}
+    (record / f"rank-{rank}.json").write_text(json.dumps(marks))
+    exit_process(code)
+
+
+# -- the inputs ---------------------------------------------------------------------------------
+
+
+def hf_config(args: argparse.Namespace):
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def count(args: argparse.Namespace) -> tuple[int, int]:
+    """(parameters, elements of the largest tensor) of the transformers model, built on meta."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(hf_config(args))
+    return sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters())
+
+
+def make_model(args: argparse.Namespace) -> None:
+    """Runs in its own process, so the benchmark's process never holds the model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(hf_config(args)).float()
+    model.save_pretrained(args.out)  # safetensors
+
+
+def make_inputs(root: Path, args: argparse.Namespace, env: dict[str, str]) -> tuple[Path, Path]:
+    folder, data = root / "model", root / "data.txt"
+    argv = [sys.executable, __file__, "--make-model", "--out", str(folder)] + shape_argv(args)
+    subprocess.run(argv, check=True, env=env, cwd=REPO, capture_output=True)
+    words = "the model is built on the meta device and then every rank holds all of it".split()
+    data.write_text("".join(f"{i} " + " ".join(words[i % 7:] + words[:i % 7]) + ".\n" for i in range(2000)))
+    # tokenized once into the shared store, so no run pays (or races for) the first tokenization
+    subprocess.run([sys.executable, "-m", "titanite.cli", "data", "prepare", "--workers", "1",
+                    f"--data.path={data}", "--data.tokenizer=qwen3", f"--data.seq_len={args.seq_len}",
+                    f"--model.hf_path={folder}"], check=True, env=env, cwd=REPO, capture_output=True)
+    return folder, data
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    return ["--vocab", str(args.vocab), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
+            "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+            "--head-dim", str(args.head_dim)]
+
+
+def overrides(folder: Path, data: Path, out: Path, init: str, args: argparse.Namespace) -> list[str]:
+    return [f"--{k}={v}" for k, v in {
+        "job.output_dir": out, "job.device": "cpu", "model.hf_path": folder, "model.init": init,
+        "data.path": data, "data.tokenizer": "qwen3", "data.seq_len": args.seq_len, "training.batch_size": 1,
+        "training.steps": 1, "checkpoint.export_hf": "false", "checkpoint.interval": 0,
+        "metrics.peak_tflops": 1, "metrics.progress_bar": "off"}.items()]
+
+
+# -- the runs -----------------------------------------------------------------------------------
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def launch(ranks: int, train_argv: list[str], record: Path, env: dict[str, str], timeout: float,
+           startup_only: bool) -> dict:
+    """One run; returns the launcher's timings and every rank's record."""
+    record.mkdir(parents=True)
+    wrapper = [__file__, "--rank-child"] + train_argv
+    if ranks == 1:
+        argv = [sys.executable] + wrapper
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] + wrapper
+    env = {**env, RECORD_ENV: str(record), STOP_ENV: "1" if startup_only else "0"}
+    lines: list[str] = []
+    seen: dict[str, float] = {}
+    t0 = time.time()
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "log_line" not in seen and LOG_LINE.search(line):
+                seen["log_line"] = time.time()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = "timeout"
+    reader.join(5)
+    t_end = time.time()
+    if rc != 0:
+        sys.exit(f"the {ranks}-rank run failed ({rc}):\n{''.join(lines)[-4000:]}")
+    if "log_line" not in seen:
+        sys.exit(f"the {ranks}-rank run never logged 'model qwen3: ... parameters':\n{''.join(lines)[-4000:]}")
+    records = [json.loads((record / f"rank-{r}.json").read_text()) for r in range(ranks)]
+    return {"startup_s": seen["log_line"] - t0, "run_s": t_end - t0,
+            "last_rank_ready_s": max(r["startup"]["t"] for r in records) - t0, "ranks": records}
+
+
+def predicted_rank(rows: list[dict], ranks: int, when: str, key: str, guess: float) -> float:
+    """A rank's rows[..]["ranks"][..][when][key] on `ranks` ranks: the largest measured on as many
+    ranks (either init), else on the most ranks measured below that, else `guess`."""
+    fewer = [r["n"] for r in rows if r["n"] <= ranks and when in r["ranks"][0]]
+    if not fewer:
+        return guess
+    return max(x[when][key] for r in rows if r["n"] == max(fewer) and when in r["ranks"][0] for x in r["ranks"])
+
+
+def baseline(root: Path, env: dict[str, str]) -> dict[str, int]:
+    record = root / "baseline"
+    record.mkdir()
+    subprocess.run([sys.executable, __file__, "--rank-child", "--baseline"], check=True, cwd=REPO,
+                   env={**env, RECORD_ENV: str(record)})
+    return json.loads((record / "baseline.json").read_text())["exit"]
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    import torch
+    import transformers
+
+    return (f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d')}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
+        rank_child(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="hidden 512, 2 layers, MLP 1536, 1 and 2 ranks")
+    p.add_argument("--ranks", type=int, nargs="+", help="world sizes (default 1 2 4 8; --quick: 1 2)")
+    p.add_argument("--inits", nargs="+", default=["random", "pretrained"], choices=("random", "pretrained"))
+    p.add_argument("--vocab", type=int, default=151936, help="must exceed the Qwen3 tokenizer's largest id, 151,668")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=7, help="7: 399.3M parameters at the other defaults")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--max-total-gib", type=float, default=20.0,
+                   help="skip a run whose ranks together would need more than this (or than MemAvailable)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--make-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 512, 1536, 2, 8, 4
+    args.ranks = args.ranks or ([1, 2] if args.quick else [1, 2, 4, 8])
+    if args.make_model:
+        make_model(args)
+        return
+
+    from titanite.config import load_config
+    from titanite.estimate import estimate
+
+    print(machine())
+    params, largest = count(args)
+    model_bytes = 4 * params
+    print(f"model: hidden {args.hidden}, {args.layers} layers, MLP {args.intermediate}, {args.heads} query / "
+          f"{args.kv_heads} key-value heads of {args.head_dim}, untied vocabulary {args.vocab:,}: {params:,} "
+          f"parameters ({model_bytes / GIB:.2f} GiB in fp32), largest tensor {largest:,} elements "
+          f"({4 * largest / GIB:.2f} GiB)", flush=True)
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory(prefix="titanite-startup-bench-") as tmp:
+        root = Path(tmp)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(root / "cache"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        start = time.perf_counter()
+        folder, data = make_inputs(root, args, env)
+        print(f"inputs written in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        base = baseline(root, env)
+        print(f"baseline (import titanite.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB, RssAnon "
+              f"{base['RssAnon'] / GIB:.2f} GiB", flush=True)
+        for init in args.inits:
+            for ranks in args.ranks:
+                out = root / f"run-{init}-{ranks}"
+                train_argv = overrides(folder, data, out, init, args)
+                avail = mem_available()
+                room = min(avail, args.max_total_gib * GIB)
+                # the whole run: its VmHWM counts the shared pages (libraries, the mmapped
+                # weights) in every rank, so this overestimates
+                need_run = 1.15 * ranks * predicted_rank(rows, ranks, "exit", "VmHWM",
+                                                         4 * model_bytes + base["VmHWM"])
+                # start-up only: every rank's anonymous memory, and the weights' page cache once
+                need_startup = 1.1 * (ranks * predicted_rank(rows, ranks, "startup", "peak_anon",
+                                                             model_bytes + base["RssAnon"])
+                                      + (model_bytes if init == "pretrained" else 0))
+                if need_run <= room:
+                    startup_only = False
+                elif need_startup <= room:
+                    startup_only = True
+                    notes.append(f"{init} on {ranks} ranks stopped at the end of start-up: the whole run would "
+                                 f"need ~{need_run / GIB:.1f} GiB, start-up ~{need_startup / GIB:.1f} GiB; "
+                                 f"{avail / GIB:.1f} GiB available, cap {args.max_total_gib:g} GiB")
+                else:
+                    notes.append(f"skipped {init} on {ranks} ranks: start-up alone would need "
+                                 f"~{need_startup / GIB:.1f} GiB; {avail / GIB:.1f} GiB available, "
+                                 f"cap {args.max_total_gib:g} GiB")
+                    print(notes[-1], file=sys.stderr, flush=True)
+                    continue
+                est = estimate(load_config(None, train_argv), ranks).total
+                r = launch(ranks, train_argv, root / f"record-{init}-{ranks}", env, args.timeout, startup_only)
+                shutil.rmtree(out, ignore_errors=True)  # the end-of-run checkpoint: ~16 bytes per parameter
+                r.update(init=init, n=ranks, estimate=est, avail_before=avail, startup_only=startup_only)
+                rows.append(r)
+                print(f"  {init} x {ranks}: start-up {r['startup_s']:.1f} s, launch to exit {r['run_s']:.1f} s, "
+                      f"start-up VmHWM {max(x['startup']['VmHWM'] for x in r['ranks']) / GIB:.2f} GiB",
+                      file=sys.stderr, flush=True)
+
+    def above(r: dict, when: str, key: str, pick=max) -> float:
+        return pick(x[when][key] for x in r["ranks"]) - base[key]
+
+    print("\nGiB per rank, the largest over a run's ranks, above the baseline; target = 1.1 x (16 B x "
+          "parameters / N + the largest tensor in fp32); estimate = `titanite estimate` (the training step)")
+    print("\n| init | ranks | start-up s | run s | peak RSS at start-up | of which anonymous (sampled) "
+          "| peak RSS through the step | peak RSS, whole run (with checkpoint) | target | start-up / target "
+          "| through the step / target | estimate |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        n = r["n"]
+        target = 1.1 * (16 * params / n + 4 * largest)
+        s, a = above(r, "startup", "VmHWM"), above(r, "startup", "peak_anon")
+        if r["startup_only"]:
+            run_s = step = whole = step_ratio = "stopped"
+        else:
+            st, w = above(r, "before_save", "VmHWM"), above(r, "exit", "VmHWM")
+            run_s, step, whole = f"{r['run_s']:.1f}", f"{st / GIB:.2f}", f"{w / GIB:.2f}"
+            step_ratio = f"{st / target:.2f}x"
+        print(f"| {r['init']} | {n} | {r['startup_s']:.1f} | {run_s} | {s / GIB:.2f} | {a / GIB:.2f} | "
+              f"{step} | {whole} | {target / GIB:.2f} | {s / target:.2f}x | {step_ratio} | "
+              f"{r['estimate'] / GIB:.2f} |")
+    print(f"\nfull fp32 model: {model_bytes / GIB:.2f} GiB; every rank's start-up peak (GiB above baseline):")
+    for r in rows:
+        print(f"  {r['init']} x {r['n']}: " + ", ".join(f"{(x['startup']['VmHWM'] - base['VmHWM']) / GIB:.2f}"
+                                                    for x in r["ranks"])
+              + (f"; anonymous through the step (sampled) {above(r, 'before_save', 'peak_anon') / GIB:.2f}"
+                 if not r["startup_only"] else "")
+              + f"  (last rank ready {r['last_rank_ready_s']:.1f} s; "
+              f"{r['avail_before'] / GIB:.1f} GiB available before)")
+    for note in notes:
+        print(note)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
