@@ -33,13 +33,14 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import machine
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -253,19 +254,6 @@ def estimate_rows(args: argparse.Namespace) -> None:
     if same_as_full:
         print("WARNING: a LoRA estimate equals the full fine-tune's: this titanite/estimate.py does not count LoRA")
     sys.stdout.flush()
-
-
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    import torch
-    import transformers
-
-    return (f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d')}")
 
 
 def main() -> None:

@@ -50,7 +50,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -59,6 +58,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from common import machine
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -255,19 +256,6 @@ def baseline(root: Path, env: dict[str, str]) -> dict[str, int]:
     subprocess.run([sys.executable, __file__, "--rank-child", "--baseline"], check=True, cwd=REPO,
                    env={**env, RECORD_ENV: str(record)})
     return json.loads((record / "baseline.json").read_text())["exit"]
-
-
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    import torch
-    import transformers
-
-    return (f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d')}")
 
 
 def main() -> None:
