@@ -1,0 +1,153 @@
+"""The value rules of a run configuration (titanite/config.py fills the dataclasses in and
+checks keys and types; this checks what the values may be), with no I/O. Each broken rule raises
+`UserError` naming the key, the value and the rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from titanite.config import Config, DataConfig, coerce
+from titanite.errors import UserError, did_you_mean
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no I/O. Raises UserError naming the key."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            v, key = getattr(obj, f.name), f"{section.name}.{f.name}"
+            choices = f.metadata.get("choices")
+            if choices and v not in choices:
+                raise UserError(f"config key '{key}': {v!r} is not one of "
+                                f"{', '.join(map(repr, choices))}{did_you_mean(str(v), choices)}")
+            if isinstance(v, float) and not math.isfinite(v):  # NaN passes every comparison below
+                raise UserError(f"config key '{key}' must be a finite number, got {v}")
+
+    def positive(key: str, v: float, allow_zero: bool = False) -> None:
+        if v < 0 or (v == 0 and not allow_zero):
+            raise UserError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+    t, d = cfg.training, cfg.data
+    positive("training.steps", t.steps)
+    positive("training.lr", t.lr, allow_zero=True)
+    positive("training.batch_size", t.batch_size)
+    positive("training.global_batch_size", t.global_batch_size, allow_zero=True)
+    positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
+    if t.warmup_steps > t.steps:
+        raise UserError(f"config key 'training.warmup_steps' ({t.warmup_steps}) must be at most "
+                        f"training.steps ({t.steps}); lower training.warmup_steps")
+    positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
+    positive("training.weight_decay", t.weight_decay, allow_zero=True)
+    positive("training.eps", t.eps)
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise UserError(f"config key 'training.{key}' must be in [0, 1), got {getattr(t, key)}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise UserError(f"config key 'training.min_lr_ratio' must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0 < t.decay_ratio <= 1:
+        raise UserError(f"config key 'training.decay_ratio' must be in (0, 1], got {t.decay_ratio}")
+    positive("model.init_std", cfg.model.init_std, allow_zero=True)
+    validate_sources(d)
+    positive("data.prefetch", d.prefetch, allow_zero=True)
+    positive("model.moe_bias_update_rate", cfg.model.moe_bias_update_rate, allow_zero=True)
+    positive("data.seq_len", d.seq_len)
+    positive("data.max_files", d.max_files, allow_zero=True)
+    if d.streaming and (d.format == "chat" or d.packing in ("documents", "pad") or d.sources):
+        raise UserError("config key 'data.streaming': streaming reads plain text documents into the 'stream' "
+                        f"packing of one source, not data.format = {d.format!r} / data.packing = {d.packing!r}"
+                        f"{' / data.sources' if d.sources else ''}; prepare the data instead (titanite data prepare)")
+    if d.format == "chat" and d.packing == "stream":
+        raise UserError("config key 'data.packing': 'stream' cannot keep chat samples apart; use "
+                        "'documents' or 'pad' with data.format = 'chat'")
+    for key in ("interval", "batch_size", "max_batches"):
+        positive(f"eval.{key}", getattr(cfg.eval, key), allow_zero=True)
+    positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.keep_latest", cfg.checkpoint.keep_latest, allow_zero=True)
+    positive("checkpoint.export_shard_mb", cfg.checkpoint.export_shard_mb)
+    positive("metrics.log_interval", cfg.metrics.log_interval)
+    positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
+    p = cfg.parallelism
+    for key in ("dp_replicate", "tp", "ep", "collective_timeout_s"):
+        positive(f"parallelism.{key}", getattr(p, key))
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise UserError(f"config key 'parallelism.dp_shard' must be -1 or >= 1, got {p.dp_shard}")
+    if cfg.model.init == "pretrained" and not cfg.model.hf_path:
+        raise UserError("config key 'model.init' is 'pretrained' but 'model.hf_path' is not set")
+    if not cfg.job.output_dir:
+        raise UserError("config key 'job.output_dir' must not be empty")
+    validate_lora(cfg)
+
+
+def validate_lora(cfg: Config) -> None:
+    """The [lora] checks that need no model (the target names are checked against the model
+    when it is built, in titanite/lora)."""
+    lo = cfg.lora
+    if not lo.enabled:
+        if cfg.checkpoint.export_merged:
+            raise UserError("config key 'checkpoint.export_merged' merges LoRA adapters, but lora.enabled is "
+                            "false (a full fine-tune's hf/ export already holds every weight)")
+        return
+    if lo.rank <= 0:
+        raise UserError(f"config key 'lora.rank' must be a positive integer, got {lo.rank}")
+    if lo.alpha <= 0:
+        raise UserError(f"config key 'lora.alpha' must be > 0, got {lo.alpha}")
+    if not 0 <= lo.dropout < 1:
+        raise UserError(f"config key 'lora.dropout' must be in [0, 1), got {lo.dropout}")
+    if not lo.target_modules:
+        raise UserError("config key 'lora.target_modules' is empty: name the modules to adapt, or 'all-linear'")
+    if not cfg.model.hf_path:
+        raise UserError("config key 'lora.enabled' is true but 'model.hf_path' is not set: LoRA adapts a "
+                        "published base checkpoint (and re-reads it on resume); set model.hf_path")
+    if cfg.model.init == "random":
+        raise UserError("config key 'model.init' is 'random' with lora.enabled: the frozen base would be noise; "
+                        "use model.init = 'auto' or 'pretrained'")
+    if lo.base_dtype == "bf16" and cfg.training.mixed_precision != "bf16":
+        raise UserError("config key 'lora.base_dtype' is 'bf16' but 'training.mixed_precision' is "
+                        f"{cfg.training.mixed_precision!r}: a bf16 base needs bf16 compute; set "
+                        "training.mixed_precision = 'bf16' or lora.base_dtype = 'fp32'")
+    if cfg.checkpoint.export_merged and not cfg.checkpoint.export_hf:
+        raise UserError("config key 'checkpoint.export_merged' is true but 'checkpoint.export_hf' is false: "
+                        "export_hf switches every export at the end of a run on; set it to true too")
+    if cfg.parallelism.tp > 1 and lo.dropout:
+        raise UserError(f"config key 'lora.dropout' is {lo.dropout} with parallelism.tp = {cfg.parallelism.tp}: "
+                        "the adapters' input is replicated over the tensor-parallel ranks, and dropout there "
+                        "would draw a different mask on each; set lora.dropout = 0 or parallelism.tp = 1")
+
+
+# The keys a [[data.sources]] table may set (anything else in [data] is shared by all sources).
+SOURCE_KEYS = {"path": str, "weight": float, "name": str, "format": str, "text_field": str, "glob": str}
+
+
+def validate_sources(d: DataConfig) -> None:
+    """data.sources: each table names a path and a positive weight; names are unique."""
+    if not d.sources:
+        return
+    if d.path or d.dataset_name:
+        raise UserError("set either data.path / data.dataset_name or data.sources (a mixture), not both; "
+                        f"data.path = {d.path!r}, data.dataset_name = {d.dataset_name!r}")
+    names = set()
+    formats = dataclasses.fields(DataConfig)[[f.name for f in dataclasses.fields(DataConfig)].index("format")]
+    for i, src in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        unknown = sorted(set(src) - set(SOURCE_KEYS))
+        if unknown:
+            raise UserError(f"config key '{key}': unknown key {unknown[0]!r}{did_you_mean(unknown[0], SOURCE_KEYS)}; "
+                            f"a source sets {', '.join(SOURCE_KEYS)}")
+        for k, typ in SOURCE_KEYS.items():
+            if k in src:
+                src[k] = coerce(f"{key}.{k}", src[k], typ)
+        if not src.get("path"):
+            raise UserError(f"config key '{key}.path' is missing: every source names its data")
+        if "weight" not in src:
+            raise UserError(f"config key '{key}.weight' is missing: every source of a mixture needs a weight > 0")
+        if not math.isfinite(src["weight"]) or src["weight"] <= 0:
+            raise UserError(f"config key '{key}.weight' must be a finite number > 0, got {src['weight']}")
+        if src.get("format", d.format) not in formats.metadata["choices"]:
+            raise UserError(f"config key '{key}.format': {src['format']!r} is not one of "
+                            f"{', '.join(map(repr, formats.metadata['choices']))}")
+        src.setdefault("name", Path(src["path"]).stem or f"source{i}")
+        if src["name"] in names:
+            raise UserError(f"config key '{key}.name': {src['name']!r} names two sources; give each a distinct name")
+        names.add(src["name"])
