@@ -12,7 +12,7 @@ from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, load_config
 from titanite.data.tokenizer import load_tokenizer
 from titanite.errors import UserError
-from titanite.lora.adapter import base_fingerprint, write_adapter
+from titanite.lora.adapter import check_run_record, run_record, write_adapter
 from titanite.models.handle import ModelHandle
 from titanite.models.spec import get_spec
 
@@ -46,10 +46,9 @@ def load_checkpoint_model(checkpoint: Path, trust_remote_code: bool = False,
         if handle.lora is not None and base:
             handle.load_hf(cfg.model.hf_path)
         state = training_state.load(checkpoint, handle.module, optimizer=None)
-    if handle.lora is not None and state.get("lora_base") != base_fingerprint(cfg.model.hf_path):
-        raise UserError(f"{checkpoint} holds LoRA adapters trained on another base than its model.hf_path = "
-                        f"{cfg.model.hf_path} (its config.json or safetensors changed since the run); "
-                        "restore the original base there")
+    if handle.lora is not None:
+        record = run_record(handle.lora.cfg, handle.lora.targets, cfg.model.hf_path)
+        check_run_record(checkpoint, state, record, cfg.model.hf_path)
     return cfg, handle
 
 

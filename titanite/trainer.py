@@ -28,7 +28,7 @@ from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
 from titanite.data.loader import make_loader
 from titanite.data.prefetch import Prefetcher
-from titanite.errors import TrainingDiverged, UserError
+from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator
 from titanite.metrics import MetricsLogger
 from titanite.kernels import IGNORE_INDEX
@@ -105,11 +105,13 @@ class Trainer:
         self._materialize(ready.weights, resuming)
         parallelize(self.handle, self.world, cfg)
         self.optimizer = build_optimizer(self.model, cfg.training)
-        self.lora_base = lora_adapter.base_fingerprint(cfg.model.hf_path) if self.handle.lora else None
+        adapters = self.handle.lora
+        self.lora_record = (lora_adapter.run_record(adapters.cfg, adapters.targets, cfg.model.hf_path)
+                            if adapters else None)
         if resuming:
             path, state = training_state.resume(self.ckpt_root, self.model, self.optimizer)
-            if self.lora_base is not None:
-                self._check_lora_resume(path, state)
+            if self.lora_record is not None:
+                lora_adapter.check_run_record(path, state, self.lora_record, cfg.model.hf_path)
             self.step = state["step"]
             self.loader.load_state_dict(state["data"])
             log.info("resumed from %s at step %d", path, self.step)
@@ -131,23 +133,6 @@ class Trainer:
         log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
                  "device %s, peak %s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
                  cfg.training.mixed_precision, self.accum, self.device, self.peak.describe())
-
-    def _check_lora_resume(self, path: Path, state: dict[str, Any]) -> None:
-        """A LoRA checkpoint continues only on its base and with its [lora] settings: DCP loads
-        the keys this model asks for, so fewer targets or another alpha would pass silently."""
-        cfg = self.cfg
-        if state.get("lora_base") != self.lora_base:
-            raise UserError(f"{path} holds LoRA adapters trained on another base than model.hf_path = "
-                            f"{cfg.model.hf_path} (its config.json or safetensors changed since); point "
-                            "model.hf_path at the original base, or use another job.output_dir")
-        saved, now = state.get("lora"), lora.settings(cfg.lora, self.handle.lora.targets)
-        if saved != now:
-            what = [k for k in now if saved is None or saved.get(k) != now[k]]
-            raise UserError(f"{path} was trained with other [lora] settings ({', '.join(what)} differ: "
-                            f"rank {saved and saved.get('rank')}, alpha {saved and saved.get('alpha')}, "
-                            f"{len(saved.get('targets', [])) if saved else 0} targets; now rank {now['rank']}, "
-                            f"alpha {now['alpha']}, {len(now['targets'])} targets); restore them, or use another "
-                            "job.output_dir")
 
     def close(self, remove_empty_output: bool = False) -> None:
         """Release the output folder's lock (train() does this itself; call it after driving
@@ -369,9 +354,8 @@ class Trainer:
     def _save(self) -> Path:
         self._stop_if_nonfinite(before_save=True)
         state: dict[str, Any] = {"data": self.loader.state_dict()}
-        if self.handle.lora is not None:  # the base the adapters belong to (re-read on resume)
-            state["lora_base"] = self.lora_base
-            state["lora"] = lora.settings(self.handle.lora.cfg, self.handle.lora.targets)
+        if self.lora_record is not None:  # the base the adapters belong to (re-read on resume)
+            state.update(self.lora_record)
         path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer, state,
                                    self.config_toml, self.cfg.checkpoint.keep_latest)
         if self.rank == 0:
@@ -394,7 +378,8 @@ class Trainer:
         """The adapters in peft's format (titanite/lora/adapter.py)."""
         factors = self.handle.adapter_factors(distributed.full_tensor)  # a collective per target, every rank
         if self.rank == 0:
-            lora_adapter.write_adapter(out, factors, self.handle.lora.cfg, self.cfg.model.hf_path)
+            lora_adapter.write_adapter(out, factors, self.handle.lora.cfg, self.cfg.model.hf_path,
+                                       self.lora_record["lora_base"])
             log.info("exported the LoRA adapter (peft format) to %s", out)
         else:
             for _ in factors:

@@ -169,11 +169,6 @@ def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def settings(cfg: LoraConfig, targets: list[LoraTarget]) -> dict:
-    """What a checkpoint's adapters were trained with; a resume must match it."""
-    return {"rank": cfg.rank, "alpha": cfg.alpha, "targets": [t.key for t in targets]}
-
-
 def draw_a(shape: tuple[int, ...], seed: int, key: str, init: str, rank: int) -> torch.Tensor:
     """The initial A (canonical shape, fp32, on CPU) for target `key`: Kaiming-uniform with
     a = sqrt(5) over the input dim (bound 1/sqrt(in), as peft's default) or normal(0, 1/rank)."""

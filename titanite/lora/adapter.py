@@ -51,9 +51,10 @@ def _names(target: LoraTarget) -> tuple[str, str]:
     return f"{PREFIX}{target.peft_module}.lora_A.weight", f"{PREFIX}{target.peft_module}.lora_B.weight"
 
 
-def write_adapter(out: Path, factors, cfg: LoraConfig, base_folder: str) -> Path:
+def write_adapter(out: Path, factors, cfg: LoraConfig, base_folder: str, fingerprint: str = "") -> Path:
     """Write the adapter folder atomically. `factors`: (target, A, B) with full canonical
-    factors (ModelHandle.adapter_factors)."""
+    factors (ModelHandle.adapter_factors); `fingerprint`: base_fingerprint(base_folder), when
+    the caller has it."""
     from titanite.lora.hf import peft_config
 
     layout, _ = peft_layout(cfg, base_folder)
@@ -65,7 +66,7 @@ def write_adapter(out: Path, factors, cfg: LoraConfig, base_folder: str) -> Path
         tensors[name_b] = p.b_backend(b).detach().to("cpu").contiguous()
     config = peft_config(cfg, {t.short_name for t in layout.values()}, str(Path(base_folder).resolve()))
 
-    base = {"base": str(Path(base_folder).resolve()), "fingerprint": base_fingerprint(base_folder)}
+    base = {"base": str(Path(base_folder).resolve()), "fingerprint": fingerprint or base_fingerprint(base_folder)}
 
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -137,6 +138,30 @@ def base_fingerprint(base_folder: str) -> str:
                 f.seek(max(0, (size - _SAMPLE_BYTES) * i // (_SAMPLES - 1)))
                 h.update(f.read(_SAMPLE_BYTES))
     return h.hexdigest()
+
+
+def run_record(cfg: LoraConfig, targets: list[LoraTarget], base_folder: str) -> dict:
+    """What a LoRA run's checkpoints record of their adapters: the base's fingerprint and the
+    [lora] settings they were trained with (trainer state, JSON)."""
+    return {"lora_base": base_fingerprint(base_folder),
+            "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "targets": [t.key for t in targets]}}
+
+
+def check_run_record(checkpoint: Path, state: dict, record: dict, base_folder: str) -> None:
+    """A LoRA checkpoint continues (or is exported) only on its base and with its [lora]
+    settings: DCP loads the keys the model asks for, so fewer targets or another alpha would
+    pass silently. `state`: the checkpoint's trainer state; `record`: run_record of now."""
+    if state.get("lora_base") != record["lora_base"]:
+        raise UserError(f"{checkpoint} holds LoRA adapters trained on another base than model.hf_path = "
+                        f"{base_folder} (its config.json or safetensors changed since); point model.hf_path "
+                        "at the original base, or use another job.output_dir")
+    saved, now = state.get("lora") or {}, record["lora"]
+    if saved != now:
+        what = [k for k in now if saved.get(k) != now[k]]
+        raise UserError(f"{checkpoint} was trained with other [lora] settings ({', '.join(what)} differ: rank "
+                        f"{saved.get('rank')}, alpha {saved.get('alpha')}, {len(saved.get('targets', []))} targets; "
+                        f"now rank {now['rank']}, alpha {now['alpha']}, {len(now['targets'])} targets); restore "
+                        "them, or use another job.output_dir")
 
 
 def check_base(folder: Path, recorded: str, hf_path: str) -> None:
