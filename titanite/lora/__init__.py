@@ -156,23 +156,23 @@ def check_dropout(cfg: LoraConfig, wanted: set[str]) -> None:
                         "refuses it too); set lora.dropout = 0 or leave the experts out of target_modules")
 
 
-def _generator(seed: int, key: str) -> torch.Generator:
-    digest = hashlib.sha256(f"titanite-lora:{seed}:{key}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+def _seed(*parts: object) -> int:
+    """A 63-bit generator seed from a tuple of names and numbers (stable across processes)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
     """The seed of every generator (host and device) for one micro-batch's adapter dropout: a
     function of where the run is, not of what ran before, so a resumed run draws the masks the
     uninterrupted run drew, on any device, and each data-parallel rank draws its own."""
-    digest = hashlib.sha256(f"titanite-lora-dropout:{seed}:{step}:{micro}:{rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return _seed("titanite-lora-dropout", seed, step, micro, rank)
 
 
 def draw_a(shape: tuple[int, ...], seed: int, key: str, init: str, rank: int) -> torch.Tensor:
     """The initial A (canonical shape, fp32, on CPU) for target `key`: Kaiming-uniform with
     a = sqrt(5) over the input dim (bound 1/sqrt(in), as peft's default) or normal(0, 1/rank)."""
-    g = _generator(seed, key)
+    g = torch.Generator().manual_seed(_seed("titanite-lora", seed, key))
     if init == "gaussian":
         return torch.randn(shape, generator=g) / rank
     bound = 1.0 / math.sqrt(shape[-1])

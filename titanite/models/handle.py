@@ -182,19 +182,19 @@ class ModelHandle(ABC):
                 continue
             full = gather(tensor)
             if name in merge:
-                t = merge[name]
-                a, b = lora.factors(self.module, t)
-                a, b = t.a_canonical(gather(a.detach())), t.b_canonical(gather(b.detach()))
-                full = (full.float() + lora.delta(t, a, b, lora.scale(self.lora.cfg))).to(full.dtype)
+                a, b = self._full_factors(merge[name], gather)
+                full = (full.float() + lora.delta(merge[name], a, b, lora.scale(self.lora.cfg))).to(full.dtype)
             yield from adapter.to_hf(name, full)
 
     def adapter_factors(self, gather: Gather | None = None) -> Iterator[tuple[lora.LoraTarget, torch.Tensor, torch.Tensor]]:
         """(target, A, B) for every adapter, full and in the canonical shapes (titanite/lora)."""
         assert self.lora is not None, "not a LoRA model"
-        gather = gather or _identity
         for t in self.lora.targets:
-            a, b = lora.factors(self.module, t)
-            yield t, t.a_canonical(gather(a.detach())), t.b_canonical(gather(b.detach()))
+            yield (t, *self._full_factors(t, gather or _identity))
+
+    def _full_factors(self, t: lora.LoraTarget, gather: Gather) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = lora.factors(self.module, t)
+        return t.a_canonical(gather(a.detach())), t.b_canonical(gather(b.detach()))
 
     def apply_lora(self, cfg: LoraConfig) -> None:
         """Put adapters into the meta-device model and freeze (and cast) the base."""
