@@ -56,8 +56,7 @@ def test_flavor_builds_the_same_model_under_both_specs(flavor):
         handle = get_spec(spec_name).build(ModelConfig(spec=spec_name, flavor=flavor))
         handle.module.to_empty(device="cpu")
         handle.init_buffers()
-        torch.manual_seed(0)
-        handle.init_weights(0.02)
+        handle.init_weights(0.02, seed=0)
         handles[spec_name] = handle
     native, hf = handles["qwen3"].module, handles["hf"].module
     assert hf.hf.config.tie_word_embeddings == native.args.tie_word_embeddings

@@ -139,8 +139,7 @@ def test_random_init_debug_flavor_exports_to_transformers(tmp_path):
     handle = get_spec("qwen3").build(ModelConfig(flavor="debug-moe"))
     model = handle.module
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    handle.init_weights(0.02)
+    handle.init_weights(0.02, seed=0)
     assert all(torch.equal(layer.feed_forward.router.expert_bias, torch.zeros(8)) for layer in model.layers)
     out = titanite.save_pretrained(model.eval(), tmp_path / "out")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -102,8 +102,8 @@ class Trainer:
         self.step = 0
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
+        parallelize(self.handle, self.world, cfg)  # on the meta device: nothing is allocated yet
         self._materialize(ready.weights, resuming)
-        parallelize(self.handle, self.world, cfg)
         self.optimizer = build_optimizer(self.model, cfg.training)
         adapters = self.handle.lora
         self.lora_record = (lora_adapter.run_record(adapters.cfg, adapters.targets, cfg.model.hf_path)
@@ -145,9 +145,10 @@ class Trainer:
             self.lock = None
 
     def _materialize(self, weights: str | None, resuming: bool) -> None:
-        """Allocate the meta model on the device, then load `weights` (an HF folder) or
-        initialise (seeded); a run that resumes leaves that to the checkpoint, except for a LoRA
-        model's frozen base, which its checkpoints do not hold."""
+        """Allocate this rank's shards of the sharded meta model on the device, then load
+        `weights` (an HF folder; each rank reads its own slices) or initialise (seeded, the same
+        weights under every layout); a run that resumes leaves that to the checkpoint, except
+        for a LoRA model's frozen base, which its checkpoints do not hold."""
         self.model.to_empty(device=self.device)
         self.handle.init_buffers()
         torch.manual_seed(self.cfg.job.seed)
@@ -157,7 +158,7 @@ class Trainer:
         if weights is not None:
             self.handle.load_hf(weights)
         else:
-            self.handle.init_weights(self.cfg.model.init_std)
+            self.handle.init_weights(self.cfg.model.init_std, self.cfg.job.seed)
         if adapters is not None:
             lora.init_adapters(self.model, adapters.targets, adapters.cfg, self.cfg.job.seed)
             if adapters.cfg.adapter_path and not resuming:

@@ -1,7 +1,7 @@
 """Moving model weights between a materialised model and a Hugging Face folder.
 
-Loading goes tensor by tensor straight into the model's (already allocated) parameters, so a
-large model is never held twice. Every expected tensor's name and shape is checked against the
+Loading goes tensor by tensor straight into the model's (already allocated, possibly sharded)
+parameters, each rank reading only its own slices, so a large model is never held twice. Every expected tensor's name and shape is checked against the
 safetensors headers before any data is read.
 """
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from titanite.checkpoint.safetensors_io import HFReader, read_json, write_hf_folder
+from titanite.checkpoint.sharded import fill
 from titanite.errors import UserError
 from titanite.files import inside_folder
 
@@ -66,15 +67,14 @@ def check_hf_weights(model: nn.Module, adapter: StateDictAdapter, folder: str | 
         _plan(model, adapter, reader)
 
 
-@torch.no_grad()
 def load_with_adapter(model: nn.Module, adapter: StateDictAdapter, folder: str | Path) -> None:
-    """Fill every parameter and persistent buffer of `model` from the HF folder."""
+    """Fill every parameter and persistent buffer of `model` (materialised, sharded or not)
+    from the HF folder, after checking every tensor against the headers; a rank reads only the
+    slices of the on-disk tensors that fall in its own shards (see sharded.py)."""
     with HFReader(folder) as reader:
-        plan = _plan(model, adapter, reader)
-        for name, target, keys in plan:
-            value = adapter.from_hf(name, [reader.get(k, dtype=target.dtype) for k in keys])
-            target.copy_(value)
-    log.info("loaded %d tensors from %s", len({k for _, _, keys in plan for k in keys}), folder)
+        _plan(model, adapter, reader)
+        touched = fill(model, adapter, reader)
+    log.info("loaded this rank's parts of %d tensors from %s", touched, folder)
 
 
 def export_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], out: str | Path,

@@ -200,14 +200,23 @@ class HFReader:
     def get(self, key: str, dtype: torch.dtype | None = None,
             device: str | torch.device = "cpu") -> torch.Tensor:
         """Load one tensor (stored shape; stored dtype unless `dtype` is given) onto `device`."""
+        return self._read(key, None).to(device=device, dtype=dtype)
+
+    def read(self, key: str, shape: tuple[int, ...], starts: tuple[int, ...], sizes: tuple[int, ...],
+             dtype: torch.dtype) -> torch.Tensor:
+        """The box [starts, starts + sizes) of tensor `key` in `dtype` (a `sharded.Source`):
+        safetensors' `get_slice` reads only those bytes of the file."""
+        return self._read(key, tuple(slice(a, a + n) for a, n in zip(starts, sizes, strict=True))).to(dtype)
+
+    def _read(self, key: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         path = self.file_of(key)
         try:
             if path not in self._handles:
                 self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            tensor = self._handles[path].get_tensor(key)
+            handle = self._handles[path]
+            return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
         except SafetensorError as e:
             raise UserError(f"cannot read tensor '{key}' from file {path}: {e}") from e
-        return tensor.to(device=device, dtype=dtype)
 
     def close(self) -> None:
         """Release the open shard handles (and their memory maps)."""

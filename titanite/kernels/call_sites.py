@@ -59,8 +59,7 @@ class _Model:
         self._build = lambda: get_spec(spec).build(ModelConfig(spec=spec, hf_path=self._folder.name, init="random"))
         handle = self._build()
         handle.module.to_empty(device=device)
-        torch.manual_seed(0)
-        handle.init_weights(0.2)  # large enough that every op's error shows in the loss
+        handle.init_weights(0.2, seed=0)  # large enough that every op's error shows in the loss
         self.weights = {k: v.detach().clone() for k, v in handle.module.state_dict().items()}
 
     def run(self, select: dict[str, str], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -21,7 +21,6 @@ The update is scale * B @ A with scale = alpha / rank.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titanite.checkpoint.sharded import copy_local, local_part, name_seed
 from titanite.config import LORA_ALL, LoraConfig
 from titanite.errors import UserError
 
@@ -156,23 +156,17 @@ def check_dropout(cfg: LoraConfig, wanted: set[str]) -> None:
                         "refuses it too); set lora.dropout = 0 or leave the experts out of target_modules")
 
 
-def _seed(*parts: object) -> int:
-    """A 63-bit generator seed from a tuple of names and numbers (stable across processes)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
     """The seed of every generator (host and device) for one micro-batch's adapter dropout: a
     function of where the run is, not of what ran before, so a resumed run draws the masks the
     uninterrupted run drew, on any device, and each data-parallel rank draws its own."""
-    return _seed("titanite-lora-dropout", seed, step, micro, rank)
+    return name_seed("titanite-lora-dropout", seed, step, micro, rank)
 
 
 def draw_a(shape: tuple[int, ...], seed: int, key: str, init: str, rank: int) -> torch.Tensor:
     """The initial A (canonical shape, fp32, on CPU) for target `key`: Kaiming-uniform with
     a = sqrt(5) over the input dim (bound 1/sqrt(in), as peft's default) or normal(0, 1/rank)."""
-    g = torch.Generator().manual_seed(_seed("titanite-lora", seed, key))
+    g = torch.Generator().manual_seed(name_seed("titanite-lora", seed, key))
     if init == "gaussian":
         return torch.randn(shape, generator=g) / rank
     bound = 1.0 / math.sqrt(shape[-1])
@@ -186,12 +180,13 @@ def factors(module: nn.Module, t: LoraTarget) -> tuple[nn.Parameter, nn.Paramete
 
 @torch.no_grad()
 def init_adapters(module: nn.Module, targets: list[LoraTarget], cfg: LoraConfig, seed: int) -> None:
-    """B = 0 and A drawn per target from (seed, key), into the materialised (unsharded) factors."""
+    """B = 0 and A drawn per target from (seed, key), whole (a factor is small), into the
+    materialised factors: each rank keeps its shard, so every layout starts the same."""
     for t in targets:
         a, b = factors(module, t)
         shape = tuple(t.a_canonical(torch.empty(a.shape, device="meta")).shape)
-        a.copy_(t.a_backend(draw_a(shape, seed, t.key, cfg.init, cfg.rank)))
-        b.zero_()
+        copy_local(a, t.a_backend(draw_a(shape, seed, t.key, cfg.init, cfg.rank)))
+        local_part(b).zero_()
 
 
 def freeze_base(module: nn.Module, targets: list[LoraTarget], base_dtype: str) -> None:

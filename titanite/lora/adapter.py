@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from titanite.checkpoint.safetensors_io import read_header, read_hf_config, write_folder
+from titanite.checkpoint.sharded import copy_local
 from titanite.config import LoraConfig, ModelConfig
 from titanite.errors import UserError
 from titanite.lora import EXPERT_TARGETS, LoraTarget, factors
@@ -224,7 +225,7 @@ def check_adapter(folder: Path, targets: list[LoraTarget], cfg: LoraConfig,
 @torch.no_grad()
 def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget], cfg: LoraConfig,
                  base_folder: str) -> None:
-    """Copy an adapter folder's factors into a LoRA model's (materialised, unsharded) targets,
+    """Copy an adapter folder's factors into a LoRA model's (materialised, possibly sharded) targets,
     after checking every name and shape against what peft would hold for this base."""
     path = folder / WEIGHTS_NAME
     layout = check_adapter(folder, targets, cfg, base_folder)
@@ -233,5 +234,5 @@ def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget
             p = layout[t.key]
             name_a, name_b = _names(p)
             a, b = factors(module, t)
-            a.copy_(t.a_backend(p.a_canonical(f.get_tensor(name_a).float())))
-            b.copy_(t.b_backend(p.b_canonical(f.get_tensor(name_b).float())))
+            copy_local(a, t.a_backend(p.a_canonical(f.get_tensor(name_a).float())))
+            copy_local(b, t.b_backend(p.b_canonical(f.get_tensor(name_b).float())))

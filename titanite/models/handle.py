@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
+from titanite.checkpoint.sharded import RandomSource, fill
 from titanite import lora
 from titanite.config import KernelsConfig, LoraConfig
 from titanite.models.flops import flops_per_token, lora_flops_per_token
@@ -213,9 +214,12 @@ class ModelHandle(ABC):
         head), which an export writes once."""
         return False
 
-    @abstractmethod
-    def init_weights(self, std: float) -> None:
-        """Random init of the materialised model (the caller seeds the RNG)."""
+    def init_weights(self, std: float, seed: int) -> None:
+        """Seeded random init of the materialised, possibly sharded, model (the base of a LoRA
+        model): normal(0, std) matrices, ones for norms, each Hugging Face tensor drawn from
+        (seed, its key), so the weights do not depend on the layout or the backend."""
+        fill(self.module, self.base_adapter(), RandomSource(seed, std))
+        self.init_buffers()
 
     @abstractmethod
     def init_buffers(self) -> None:

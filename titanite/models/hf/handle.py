@@ -99,9 +99,6 @@ class HFModel(ModelHandle):
         self.module.tie()
         return lora_hf.apply(self.module, cfg)
 
-    def init_weights(self, std: float) -> None:
-        self.module.init_weights(std)
-
     def init_buffers(self) -> None:
         self.module.init_buffers()
 

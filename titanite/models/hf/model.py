@@ -78,36 +78,3 @@ class HFCausalLM(nn.Module):
             module.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
             module.original_inv_freq = module.inv_freq.clone()
 
-    @torch.no_grad()
-    def init_weights(self, std: float) -> None:
-        """Random init (seed first): normal(0, std) for every matrix (embeddings, projections,
-        the head when untied, MoE routers and fused expert weights), ones for norm weights.
-        Each parameter is drawn once, in the native model's order (module order, with each MoE
-        router before its experts), so both backends start from the same weights for a seed."""
-        self.tie()
-        for name, module, p in self._init_order():
-            if p.ndim >= 2:
-                nn.init.normal_(p, mean=0.0, std=std)
-            else:
-                assert "RMSNorm" in type(module).__name__, f"no init rule for {name}"
-                nn.init.ones_(p)
-        self.init_buffers()
-
-    def _init_order(self) -> list[tuple[str, nn.Module, nn.Parameter]]:
-        """(name, owning module, parameter) once per parameter, in the native model's order."""
-        order: list[tuple[str, nn.Module, nn.Parameter]] = []
-        seen: set[int] = set()
-        for mname, module in self.hf.named_modules():
-            for pname, p in module.named_parameters(recurse=False):
-                if id(p) in seen:  # a tied head is the embedding, already listed
-                    continue
-                seen.add(id(p))
-                name = f"{mname}.{pname}"
-                at = len(order)
-                if name.endswith(".mlp.gate.weight"):
-                    # transformers registers a sparse block's experts before its router; the
-                    # native model the other way round.
-                    experts = name.removesuffix("gate.weight") + "experts."
-                    at = next((j for j, (n, _, _) in enumerate(order) if n.startswith(experts)), at)
-                order.insert(at, (name, module, p))
-        return order

@@ -78,9 +78,6 @@ class Qwen3Model(ModelHandle):
 
         return native.apply(self.module, cfg)
 
-    def init_weights(self, std: float) -> None:
-        self.module.init_weights(std)
-
     def init_buffers(self) -> None:
         self.module.init_buffers()
 
