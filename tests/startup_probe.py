@@ -1,0 +1,103 @@
+"""Start a trainer (1 process, or one rank of a torchrun job), measure its start-up, export.
+
+    python -m tests.startup_probe REPORT_DIR [train overrides...]
+
+Each rank writes REPORT_DIR/rank-<r>.json with what it measured while it materialised:
+- `read`: bytes of tensor data the checkpoint reader handed back, counted by a wrapper around
+  safetensors' `safe_open` (its get_tensor and get_slice results), not taken from titanite's plan;
+- `peak`: the peak of live bytes allocated by torch while `_materialize` ran, from the
+  profiler's allocation events (the checkpoint files' memory maps left out);
+- `local`: bytes of this rank's parameters and buffers once materialised;
+- `largest`: bytes of the largest tensor of the Hugging Face layout.
+Then every rank takes part in `Trainer.export(REPORT_DIR / "hf")`, which rank 0 writes: the
+weights as initialised or loaded, before any step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from titanite.checkpoint import safetensors_io
+from titanite.checkpoint.sharded import local_part
+from titanite.config import load_config
+from titanite.trainer import Trainer
+
+
+class _Counted:
+    """A safetensors handle (or slice) whose returned tensors are counted."""
+
+    def __init__(self, inner, counter: list[int]) -> None:
+        self._inner, self._counter = inner, counter
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        self._counter[0] += t.numel() * t.element_size()
+        return t
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._count(self._inner.get_tensor(key))
+
+    def get_slice(self, key: str):
+        return _Counted(self._inner.get_slice(key), self._counter)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._count(self._inner[index])
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def _peak_live_bytes(prof, mapped: set[int]) -> int:
+    """Peak live bytes from the profiler's allocation events. safetensors maps each checkpoint
+    file as one private, lazily paged storage (`mapped`: the file sizes): address space, not
+    memory, so those are left out; what is copied out of them is counted."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu" and not (
+                node.parent is None and abs(node.extra_fields.alloc_size) in mapped):
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def main(report: Path, overrides: list[str]) -> None:
+    read = [0]
+    real_open = safetensors_io.safe_open
+    safetensors_io.safe_open = lambda *a, **k: _Counted(real_open(*a, **k), read)
+    measured: dict[str, int] = {}
+    materialize = Trainer._materialize
+
+    def probed(self, weights, resuming):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            materialize(self, weights, resuming)
+        mapped = {p.stat().st_size for p in Path(self.cfg.model.hf_path).glob("*.safetensors")}
+        measured["peak"] = _peak_live_bytes(prof, mapped)
+
+    Trainer._materialize = probed
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        tensors = [*trainer.model.parameters(), *trainer.model.buffers()]
+        local = sum(local_part(t).numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+        largest = max(t.numel() * t.element_size() for _, t in trainer.handle.hf_state_dict(lambda t: torch.empty(
+            t.shape, dtype=t.dtype, device="meta")))
+        report.mkdir(parents=True, exist_ok=True)
+        (report / f"rank-{trainer.rank}.json").write_text(json.dumps(
+            {"read": read[0], "local": local, "largest": largest, **measured}))
+        trainer.export(report / "hf")
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
