@@ -47,7 +47,7 @@ def test_rehearsal_agrees_with_the_estimate(layout, kind, spec):
     for f in rehearse(cfg, world):
         assert _close(f.params, e.params) and _close(f.grads, e.grads) and _close(f.optimizer, e.optimizer), \
             (layout, f, e.params, e.grads, e.optimizer)
-        assert f.startup_peak > f.params  # today: the whole model, then the shards
+        assert f.params < f.startup_peak < f.params + 4 * cfg_numel(cfg)  # shards + one tensor, not the model
 
 
 def test_rehearsal_counts_a_lora_run(tmp_path):
@@ -65,8 +65,15 @@ def test_rehearsal_counts_a_lora_run(tmp_path):
     for f in (f0, f3):
         assert _close(f.params, e.params) and _close(f.grads, e.grads) and _close(f.optimizer, e.optimizer)
         assert f.grads * 4 < f.params  # only adapters train
-        # today's start-up reads every byte of the checkpoint on every rank
-        assert f.checkpoint_read == sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        # 2 x FSDP x 2 x TP: a rank reads a quarter of the sharded weights, the replicated norms whole
+        whole = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        assert whole / 4.05 <= f.checkpoint_read < whole / 3  # the file also holds its header
+
+
+def cfg_numel(cfg) -> int:
+    from titanite.models.spec import get_spec
+
+    return sum(p.numel() for p in get_spec(cfg.model.spec).build(cfg.model).module.parameters())
 
 
 SEEDS = {"seed-native": "8B", "seed-hf": "8B", "seed-moe-kernels": "30B-A3B"}
@@ -92,4 +99,4 @@ def test_rehearse_command_names_a_layout_that_fits():
     out = proc.stdout
     assert re.search(r"rehearsal / estimate: parameters 1\.0\d\d, gradients 1\.0\d\d, optimizer 1\.0\d\d", out), out
     assert "does not fit 80 GiB; this layout would: " in out
-    assert "does not start on 80 GiB" in out  # the whole model is materialised on every rank today
+    assert "does not start on" not in out  # start-up holds the shards and one tensor, not the model

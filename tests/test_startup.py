@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, TINY_MOE, make_hf_checkpoint, tiny_train_args
-from tests.test_distributed import _env, data  # noqa: F401  (a module-scoped fixture)
+from tests.conftest import REPO, TINY_MOE, make_hf_checkpoint, tiny_train_args, write_corpus
+from tests.test_distributed import _env
 
 SLACK = 64 * 1024  # small temporaries while materialising (index tensors, the RoPE tables' inputs)
 
@@ -42,6 +42,11 @@ LAYOUTS = {
     "fsdp_ep": ("moe", 4, {"parallelism.ep": 2}),
     "hf_fsdp_ep": ("moe", 4, {"model.spec": "hf", "parallelism.ep": 2}),
 }
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data") / "data.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,7 @@ def on_disk(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def single(checkpoints, data, tmp_path_factory):  # noqa: F811
+def single(checkpoints, data, tmp_path_factory):
     """The single-process probe per (checkpoint, backend, init), run once each."""
     done: dict[tuple, tuple[Path, list[dict]]] = {}
 
@@ -102,7 +107,7 @@ def assert_bounded(stats: list[dict]) -> None:
 @pytest.mark.parametrize("init", ["random", "pretrained"])
 @pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.slow] if LAYOUTS[n][1] > 2 else [])
                                     for n in LAYOUTS])
-def test_every_layout_starts_from_the_single_process_weights(layout, init, checkpoints, data, single,  # noqa: F811
+def test_every_layout_starts_from_the_single_process_weights(layout, init, checkpoints, data, single,
                                                              tmp_path):
     name, ranks, extra = LAYOUTS[layout]
     spec = extra.get("model.spec", "qwen3")
