@@ -24,6 +24,7 @@ import torch
 from titanite.checkpoint import safetensors_io
 from titanite.checkpoint.sharded import local_part
 from titanite.config import load_config
+from titanite.parallel.distributed import exit_process
 from titanite.trainer import Trainer
 
 
@@ -97,7 +98,9 @@ def main(report: Path, overrides: list[str]) -> None:
         trainer.export(report / "hf")
     finally:
         trainer.close()
+    trainer.world.close()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
+    exit_process(0)  # as titanite's commands end a rank: no finalisation that could abort it

@@ -22,7 +22,7 @@ tensor, and every layout, and both backends, start from the same weights.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -42,15 +42,28 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+# How a sharded tensor's box is found: the parallel layer, which creates DTensors, registers it
+# (titanite/parallel/__init__.py), so this module, reached from the model layer, never imports
+# torch.distributed (tests/test_layers.py).
+_sharded_box: Callable[[torch.Tensor], Box] | None = None
+
+
+def register_sharded_box(locate: Callable[[torch.Tensor], Box]) -> None:
+    global _sharded_box
+    _sharded_box = locate
+
+
+def local_box(t: torch.Tensor) -> Box:
     """(offsets, sizes) of this rank's part of `t` in the global tensor's coordinates."""
     if not hasattr(t, "device_mesh"):
         return (0,) * t.ndim, tuple(t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    sizes, offsets = tuple(sizes), tuple(offsets)
-    assert sizes == tuple(t.to_local().shape), (sizes, t.to_local().shape, t.placements)
+    if _sharded_box is None:
+        raise RuntimeError("a sharded tensor (DTensor) reached titanite.checkpoint.sharded, but no box locator "
+                           "is registered: import titanite.parallel before filling a sharded model")
+    offsets, sizes = _sharded_box(t)
+    assert sizes == tuple(local_part(t).shape), (sizes, local_part(t).shape, t.placements)
     return offsets, sizes
 
 
