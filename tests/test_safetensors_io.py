@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from titanite.checkpoint import safetensors_io
 from titanite.checkpoint.safetensors_io import HFReader, read_hf_config, write_hf_folder
@@ -151,22 +153,46 @@ def test_round_trip_bitwise_keeps_dtype(ckpts, tmp_path):
             assert got.dtype == torch.bfloat16 and torch.equal(got, v)
 
 
-def test_tensors_consumed_shard_by_shard(tmp_path, monkeypatch):
-    writes = []
-    real = safetensors_io.save_file
-    monkeypatch.setattr(safetensors_io, "save_file",
-                        lambda *a, **kw: (writes.append(1), real(*a, **kw)))
-    seen_at = []
+def test_tensors_streamed_one_at_a_time(tmp_path):
+    """The writer holds one tensor at a time: when it asks for the next, every tensor before the
+    one it just wrote is gone (only weak references are kept here)."""
+    refs: list[weakref.ref] = []
+    held_at_each_yield = []
 
     def gen():
         for i in range(6):
-            seen_at.append(len(writes))
-            yield f"t{i}", torch.full((250,), float(i))  # 1000 bytes each
+            held_at_each_yield.append([j for j, r in enumerate(refs) if r() is not None])
+            t = torch.full((250,), float(i))  # 1000 bytes each
+            refs.append(weakref.ref(t))
+            yield f"t{i}", t
+            del t
 
-    write_hf_folder(tmp_path / "out", gen(), {}, max_shard_bytes=2000)
-    # A shard is written as soon as the next tensor would overflow it: at most one shard plus
-    # one tensor is held at any time.
-    assert seen_at == [0, 0, 0, 1, 1, 2] and len(writes) == 3
+    out = write_hf_folder(tmp_path / "out", gen(), {}, max_shard_bytes=2000)
+    assert held_at_each_yield == [[], [0], [1], [2], [3], [4]]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    with HFReader(out) as r:
+        assert all(torch.equal(r.get(f"t{i}"), torch.full((250,), float(i))) for i in range(6))
+
+
+MIXED = {"b.w": torch.randn(3).bfloat16(), "a.w": torch.randn(2, 2), "c": torch.arange(4), "z": torch.zeros(5, dtype=torch.uint8),
+         "aa": torch.randn(1).half(), "e": torch.ones(2, dtype=torch.bool), "s": torch.tensor(3.0),
+         "empty": torch.zeros(0, 4), "ü": torch.randn(7), "t": torch.randn(3, 4).t()}
+
+
+@pytest.mark.parametrize("max_shard_bytes", [10**6, 40])
+def test_streamed_files_are_save_files_bytes(tmp_path, max_shard_bytes):
+    """Each file the streaming writer makes is byte for byte what safetensors' save_file writes
+    for the same tensors (mixed dtypes, a scalar, an empty and a non-contiguous tensor)."""
+    out = write_hf_folder(tmp_path / "out", MIXED.items(), {}, max_shard_bytes=max_shard_bytes)
+    index = out / safetensors_io.INDEX_NAME
+    files = (json.loads(index.read_text())["weight_map"] if index.exists()
+             else dict.fromkeys(MIXED, safetensors_io.SINGLE_NAME))
+    assert (len(set(files.values())) > 1) == (max_shard_bytes == 40)
+    for name in set(files.values()):
+        keys = {k: MIXED[k].contiguous() for k, f in files.items() if f == name}
+        save_file(keys, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+        assert (out / name).read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), name
 
 
 def test_crash_mid_write_keeps_old_folder(ckpts, tmp_path, monkeypatch):
@@ -174,21 +200,21 @@ def test_crash_mid_write_keeps_old_folder(ckpts, tmp_path, monkeypatch):
     out.mkdir()
     (out / "old.txt").write_text("previous export")
     calls = []
-    real = safetensors_io.save_file
+    real = safetensors_io._StreamedShard.finish
 
-    def failing(*a, **kw):
+    def failing(self):
         calls.append(1)
         if len(calls) == 2:
             raise OSError("disk full (simulated)")
-        return real(*a, **kw)
+        return real(self)
 
-    monkeypatch.setattr(safetensors_io, "save_file", failing)
+    monkeypatch.setattr(safetensors_io._StreamedShard, "finish", failing)
     tensors = ((f"t{i}", torch.zeros(250)) for i in range(4))
     with pytest.raises(OSError, match="simulated"):
         write_hf_folder(out, tensors, {}, max_shard_bytes=1000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in out.iterdir()] == ["old.txt"]
-    monkeypatch.setattr(safetensors_io, "save_file", real)
+    monkeypatch.setattr(safetensors_io._StreamedShard, "finish", real)
     write_hf_folder(out, [("w", torch.ones(3))], {})  # a good write replaces it
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

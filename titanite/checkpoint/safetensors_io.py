@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
 from titanite.config import DEFAULT_SHARD_MB
 from titanite.errors import UserError, did_you_mean
@@ -33,6 +33,7 @@ _DTYPES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
     "C64": "complex64",
 }
+_TAGS = {getattr(torch, name): tag for tag, name in _DTYPES.items() if hasattr(torch, name)}
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -279,33 +280,23 @@ def _write_contents(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], conf
                     max_shard_bytes: int, extra: list[Path],
                     generation_config: dict | None) -> None:
     weight_map: dict[str, int] = {}    # key -> 0-based shard number
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = total_bytes = total_params = 0
-    storages: set[int] = set()         # storages already in this shard
+    total_bytes = total_params = 0
+    shard: _StreamedShard | None = None
     n_shards = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes, n_shards, storages
-        save_file(shard, str(tmp / f"shard-{n_shards}.part"), metadata={"format": "pt"})
-        shard, shard_bytes, storages, n_shards = {}, 0, set(), n_shards + 1
-
     for key, tensor in tensors:
         assert isinstance(key, str) and key not in weight_map, f"bad or repeated key {key!r}"
-        tensor = tensor.detach().to("cpu").contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        if shard and shard_bytes + nbytes > max_shard_bytes:
-            flush()
-        # Tied weights share storage; safetensors refuses that within one file.
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr in storages:
-            tensor = tensor.clone()
-        storages.add(ptr)
-        shard[key], weight_map[key] = tensor, n_shards
-        shard_bytes += nbytes
+        if shard is not None and shard.entries and shard.nbytes + nbytes > max_shard_bytes:
+            shard.finish()
+            shard, n_shards = None, n_shards + 1
+        if shard is None:
+            shard = _StreamedShard(tmp / f"shard-{n_shards}.part")
+        shard.add(key, tensor)
+        weight_map[key] = n_shards
         total_bytes += nbytes
         total_params += tensor.numel()
-    if shard or n_shards == 0:
-        flush()
+    (shard or _StreamedShard(tmp / "shard-0.part")).finish()
+    n_shards += 1
 
     names = ([SINGLE_NAME] if n_shards == 1 else
              [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)])
@@ -320,6 +311,63 @@ def _write_contents(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], conf
         _write_json(tmp / "generation_config.json", generation_config)
     for path in extra:
         shutil.copyfile(path, tmp / path.name)
+
+
+class _StreamedShard:
+    """One safetensors file, written tensor by tensor: what `save_file` writes for the same
+    tensors, byte for byte, without holding them all (only the tensor being added).
+
+    Each tensor's bytes go to a scratch file as they arrive; `finish` writes the header, then
+    copies the data in the order safetensors itself lays it out. That order (by dtype, then
+    name) is taken from the library: `safetensors.torch.save` of one-element stand-ins."""
+
+    _COPY = 64 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.scratch = path.with_suffix(".data")
+        self.file = open(self.scratch, "wb")  # noqa: SIM115 (closed by finish)
+        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}  # key -> dtype, shape, at, bytes
+        self.nbytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+        self.file.write(data)
+        n = tensor.numel() * tensor.element_size()
+        self.entries[key] = (tensor.dtype, list(tensor.shape), self.nbytes, n)
+        self.nbytes += n
+
+    def finish(self) -> None:
+        self.file.close()
+        order = _library_order({k: e[0] for k, e in self.entries.items()})
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        at = 0
+        for key in order:
+            dtype, shape, _, n = self.entries[key]
+            header[key] = {"dtype": _TAGS[dtype], "shape": shape, "data_offsets": [at, at + n]}
+            at += n
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        with open(self.scratch, "rb") as src, open(self.path, "wb") as dst:
+            dst.write(len(text).to_bytes(8, "little") + text)
+            for key in order:
+                _, _, start, n = self.entries[key]
+                src.seek(start)
+                while n:
+                    chunk = src.read(min(n, self._COPY))
+                    dst.write(chunk)
+                    n -= len(chunk)
+        self.scratch.unlink()
+
+
+def _library_order(dtypes: dict[str, torch.dtype]) -> list[str]:
+    """The keys in the order safetensors lays their data out (it sorts them itself)."""
+    stand_ins = {k: torch.zeros(1, dtype=d) for k, d in dtypes.items()}
+    raw = save_bytes(stand_ins, metadata={"format": "pt"})
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__", None)
+    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
 
 
 def _write_json(path: Path, data: dict) -> None:
