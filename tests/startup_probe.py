@@ -10,7 +10,8 @@ Each rank writes REPORT_DIR/rank-<r>.json with what it measured while it materia
 - `local`: bytes of this rank's parameters and buffers once materialised;
 - `largest`: bytes of the largest tensor of the Hugging Face layout.
 Then every rank takes part in `Trainer.export(REPORT_DIR / "hf")`, which rank 0 writes: the
-weights as initialised or loaded, before any step.
+weights as initialised or loaded, before any step;
+- `export_peak`: the peak of live bytes allocated while the export ran (the same way).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def _peak_live_bytes(prof, mapped: set[int]) -> int:
     return peak
 
 
+def _profiled() -> torch.profiler.profile:
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+
 def main(report: Path, overrides: list[str]) -> None:
     read = [0]
     real_open = safetensors_io.safe_open
@@ -80,7 +85,7 @@ def main(report: Path, overrides: list[str]) -> None:
     materialize = Trainer._materialize
 
     def probed(self, weights, resuming):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _profiled() as prof:
             materialize(self, weights, resuming)
         mapped = {p.stat().st_size for p in Path(self.cfg.model.hf_path).glob("*.safetensors")}
         measured["peak"] = _peak_live_bytes(prof, mapped)
@@ -90,12 +95,14 @@ def main(report: Path, overrides: list[str]) -> None:
     try:
         tensors = [*trainer.model.parameters(), *trainer.model.buffers()]
         local = sum(local_part(t).numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-        largest = max(t.numel() * t.element_size() for _, t in trainer.handle.hf_state_dict(lambda t: torch.empty(
-            t.shape, dtype=t.dtype, device="meta")))
+        largest = max(t.numel() * t.element_size() for _, t in trainer.handle.hf_state_dict(lambda t, indices: (
+            torch.empty(t.shape, dtype=t.dtype, device="meta")[i] for i in indices)))
         report.mkdir(parents=True, exist_ok=True)
+        with _profiled() as prof:
+            trainer.export(report / "hf")
+        measured["export_peak"] = _peak_live_bytes(prof, set())
         (report / f"rank-{trainer.rank}.json").write_text(json.dumps(
             {"read": read[0], "local": local, "largest": largest, **measured}))
-        trainer.export(report / "hf")
     finally:
         trainer.close()
     trainer.world.close()

@@ -11,7 +11,7 @@ from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import DEFAULT_SHARD_MB, ModelConfig
 from titanite.models.handle import handle_of
 from titanite.models.spec import get_spec
-from titanite.parallel.distributed import full_tensor
+from titanite.parallel.distributed import full_regions
 
 
 def load_pretrained(path: str | Path, spec: str = "qwen3", dtype: torch.dtype = torch.float32,
@@ -33,6 +33,6 @@ def save_pretrained(model: nn.Module, path: str | Path, max_shard_mb: int = DEFA
     call it on every rank. A LoRA model is written with its adapters merged in (what it computes)."""
     handle = handle_of(model)
     source = [handle.source_folder] if handle.source_folder else []
-    return export_hf(handle.hf_state_dict(full_tensor, merged=handle.lora is not None), handle.hf_config(), path,
+    return export_hf(handle.hf_state_dict(full_regions, merged=handle.lora is not None), handle.hf_config(), path,
                      max_shard_mb,
                      source_folders=source)

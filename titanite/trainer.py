@@ -387,12 +387,12 @@ class Trainer:
                 pass
 
     def export(self, out: Path, merged: bool = False) -> None:
-        tensors = self.handle.hf_state_dict(distributed.full_tensor, merged=merged)
+        tensors = self.handle.hf_state_dict(distributed.regions_to_rank_zero, merged=merged)
         config = self.handle.hf_config()
         if self.rank == 0:
             export_hf(tensors, config, out, self.cfg.checkpoint.export_shard_mb,
                       source_folders=[self.cfg.model.hf_path], tokenizer_files=self.tokenizer.files)
             log.info("exported Hugging Face model to %s", out)
         else:
-            for _ in tensors:  # every rank takes part in the gathers
+            for _ in tensors:  # every rank takes part in the gathers (it holds meta stand-ins)
                 pass

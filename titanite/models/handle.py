@@ -14,6 +14,7 @@ summing expert counts over ranks), the caller passes it in as a function.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
-from titanite.checkpoint.sharded import RandomSource, fill
+from titanite.checkpoint.sharded import RandomSource, RegionGather, fill, gather_whole, hf_pieces, local_regions
 from titanite import lora
 from titanite.config import KernelsConfig, LoraConfig
 from titanite.models.flops import flops_per_token, lora_flops_per_token
@@ -171,20 +172,25 @@ class ModelHandle(ABC):
         load_with_adapter(self.module, self.base_adapter(), folder)
         self.init_buffers()
 
-    def hf_state_dict(self, gather: Gather | None = None, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF key, full tensor) pairs in the on-disk Hub layout, one at a time. `gather` turns a
-        sharded tensor into the full one before the adapter splits it (stacked experts cut across
-        ranks otherwise); every rank walks the same keys, so its collectives line up.
-        `merged` (LoRA): each adapted weight is W + scale * B @ A; otherwise the base as loaded."""
-        adapter, gather = self.base_adapter(), gather or _identity
+    def hf_state_dict(self, regions: RegionGather | None = None,
+                      merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, tensor) pairs in the on-disk Hub layout, one at a time. `regions` gathers the
+        parts of a sharded tensor that each on-disk tensor is (one expert's matrix of the fused
+        experts, a q/k/v block), so no rank ever holds a whole fused tensor (sharded.hf_pieces);
+        every rank walks the same keys, so its collectives line up. `merged` (LoRA): each
+        adapted weight is W + scale * B @ A; otherwise the base as loaded."""
+        adapter, regions = self.base_adapter(), regions or local_regions
         merge = {t.base: t for t in self.lora.targets} if merged and self.lora is not None else {}
         for name, tensor in self.module.state_dict().items():
             if self.is_alias(name) or adapter.skips(name):
                 continue
-            full = gather(tensor)
-            if name in merge:
-                a, b = self._full_factors(merge[name], gather)
-                full = (full.float() + lora.delta(merge[name], a, b, lora.scale(self.lora.cfg))).to(full.dtype)
+            if name not in merge:
+                yield from hf_pieces(name, tensor, adapter, regions)
+                continue
+            whole = functools.partial(gather_whole, regions)
+            full = whole(tensor)
+            a, b = self._full_factors(merge[name], whole)
+            full = (full.float() + lora.delta(merge[name], a, b, lora.scale(self.lora.cfg))).to(full.dtype)
             yield from adapter.to_hf(name, full)
 
     def adapter_factors(self, gather: Gather | None = None) -> Iterator[tuple[lora.LoraTarget, torch.Tensor, torch.Tensor]]:

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanite import device as devices
+from titanite.checkpoint.sharded import Index, local_box
 from titanite.config import ParallelismConfig
 from titanite.parallel.mesh import ParallelDims
 
@@ -124,6 +126,80 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     other tensors as they are. Differentiable, so a loss-parallel loss can be backpropagated
     through it."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_regions(t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
+    """A `RegionGather` that gives every rank every region: the whole tensor is gathered first
+    (a collective over its mesh), so each rank holds it while its regions are taken."""
+    full = full_tensor(t.detach())
+    return (full[index] for index in indices)
+
+
+def regions_to_rank_zero(t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
+    """A `RegionGather` that assembles each region on rank 0 alone, from the ranks that own its
+    parts: no rank holds more than its shards plus the region being assembled (rank 0) or one
+    part of its own shard (the others), and the other ranks get meta tensors of the regions'
+    shapes. The ranks first share their boxes (one small all-gather per tensor); each part is
+    then sent by the lowest rank that holds it (replicas send nothing)."""
+    t = t.detach()
+    single = not dist.is_initialized() or dist.get_world_size() == 1
+    if single or not hasattr(t, "device_mesh"):  # unsharded: every rank holds the same tensor
+        rank = 0 if single else dist.get_rank()
+        yield from (t[index] if rank == 0 else _meta_region(t, index) for index in indices)
+        return
+    rank, local = dist.get_rank(), t.to_local()
+    offsets, sizes = local_box(t)
+    mine = torch.tensor([*offsets, *sizes], dtype=torch.int64, device=local.device)
+    boxes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(boxes, mine)
+    owners: dict[tuple[int, ...], int] = {}
+    for r, box in enumerate(boxes):
+        owners.setdefault(tuple(box.tolist()), r)  # the lowest rank holding each distinct box
+    for index in indices:
+        lo, hi = _region_bounds(t.shape, index)
+        out = torch.empty([b - a for a, b in zip(lo, hi)], dtype=t.dtype, device=local.device) if rank == 0 else None
+        for box, owner in owners.items():
+            start, size = box[: t.ndim], box[t.ndim:]
+            a = [max(x, o) for x, o in zip(lo, start)]
+            b = [min(y, o + n) for y, o, n in zip(hi, start, size)]
+            if any(x >= y for x, y in zip(a, b)) or rank not in (0, owner):
+                continue
+            into_out = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))
+            if owner == rank:
+                part = local[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, start))]
+                if rank == 0:
+                    out[into_out].copy_(part)
+                else:
+                    dist.send(part.contiguous(), dst=0)
+            elif out[into_out].is_contiguous():  # rank 0 receives the part `owner` holds in place
+                dist.recv(out[into_out], src=owner)
+            else:
+                part = torch.empty([y - x for x, y in zip(a, b)], dtype=t.dtype, device=local.device)
+                dist.recv(part, src=owner)
+                out[into_out].copy_(part)
+                del part
+        yield out.reshape(_meta_region(t, index).shape) if rank == 0 else _meta_region(t, index)
+
+
+def _meta_region(t: torch.Tensor, index: Index) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")[index]
+
+
+def _region_bounds(shape: torch.Size, index: Index) -> tuple[list[int], list[int]]:
+    """[lo, hi) per dim of the region `index` (slices with explicit bounds, ints, or fewer
+    entries than dims) of a tensor of `shape`."""
+    lo, hi = [], []
+    for d, n in enumerate(shape):
+        ix = index[d] if d < len(index) else slice(0, n)
+        if isinstance(ix, int):
+            lo.append(ix)
+            hi.append(ix + 1)
+        else:
+            start, stop, step = ix.indices(n)
+            assert step == 1, index
+            lo.append(start)
+            hi.append(stop)
+    return lo, hi
 
 
 def local_numel(model: torch.nn.Module) -> int:

@@ -16,7 +16,8 @@ from titanite.checkpoint.safetensors_io import read_hf_config
 from titanite.config import KernelsConfig, LoraConfig, ModelConfig
 from titanite.lora import LoraTarget
 from titanite.errors import UserError
-from titanite.models.handle import ActivationProfile, AllReduce, Gather, ModelHandle, ModelOptions, TrainOutput
+from titanite.checkpoint.sharded import RegionGather
+from titanite.models.handle import ActivationProfile, AllReduce, ModelHandle, ModelOptions, TrainOutput
 from titanite.models.moe_stats import load_balancing_loss, routing_stats
 from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
@@ -67,11 +68,12 @@ class Qwen3Model(ModelHandle):
     def state_dict_adapter(self) -> Qwen3StateDictAdapter:
         return Qwen3StateDictAdapter(self.args)
 
-    def hf_state_dict(self, gather: Gather | None = None, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_state_dict(self, regions: RegionGather | None = None,
+                      merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if any(bool(m.router.expert_bias.any()) for _, m in moe_layers(self.module)):
             log.warning("the MoE routing bias (model.moe_bias_update_rate) is not part of the Hugging Face "
                         "layout and is left out of the export: transformers will route without it")
-        yield from super().hf_state_dict(gather, merged)
+        yield from super().hf_state_dict(regions, merged)
 
     def _inject_lora(self, cfg: LoraConfig) -> list[LoraTarget]:
         from titanite.lora import native
