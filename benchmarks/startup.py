@@ -1,10 +1,10 @@
 """Start-up memory and time of a ~400M-parameter Qwen3 on 1, 2, 4 and 8 CPU ranks.
 
-The baseline for sharded initialisation. Today titanite builds the model on the meta device,
-then on every rank materialises the whole model in fp32, loads or initialises it, and only then
-applies the parallel plan (FSDP2 over the ranks here); the issue's target is a per-rank peak of
-at most 1.1 x (16 bytes x parameters / N + the largest tensor), the sharded training state
-plus one full tensor.
+titanite builds the model on the meta device, applies the parallel plan (FSDP2 over the ranks
+here) on meta, allocates each rank's shards and only then initialises or loads them, one on-disk
+tensor at a time (titanite/checkpoint/sharded.py). The target is a per-rank peak of at most
+1.1 x (16 bytes x parameters / N + the largest tensor): the sharded training state plus one full
+tensor.
 
 The model: a transformers Qwen3 (hidden 1024, 7 layers, MLP 3072, 16 query / 8 key-value heads
 of 64, an untied 151,936-row vocabulary: 399.3M parameters, the largest tensor an embedding of
