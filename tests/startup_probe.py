@@ -95,7 +95,7 @@ def main(report: Path, overrides: list[str]) -> None:
     try:
         tensors = [*trainer.model.parameters(), *trainer.model.buffers()]
         local = sum(local_part(t).numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-        largest = max(t.numel() * t.element_size() for _, t in trainer.handle.hf_state_dict(lambda t, indices: (
+        largest = max(t.numel() * t.element_size() for _, t in trainer.handle.hf_state_dict(lambda _, t, indices: (
             torch.empty(t.shape, dtype=t.dtype, device="meta")[i] for i in indices)))
         report.mkdir(parents=True, exist_ok=True)
         with _profiled() as prof:

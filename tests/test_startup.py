@@ -15,6 +15,7 @@ ranks being bitwise equal to the single-process one is checked here too.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,32 @@ def test_pretrained_load_is_the_published_weights(name, checkpoints, single):
     a, b = on_disk(exported / "hf"), on_disk(checkpoints[name])
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["dense", "tied", "moe"])
+def test_export_command_streams_a_two_rank_checkpoint(name, checkpoints, data, tmp_path):
+    """`titanite export` of a checkpoint saved by 2 FSDP ranks: the files are the run's own
+    end-of-run export, byte for byte, and the command never restores the model: its peak is one
+    on-disk tensor plus the stored chunks (one saving rank's shard) it overlaps."""
+    from titanite.checkpoint import dcp_safe
+    from titanite.export import export_checkpoint
+    from tests.startup_probe import _peak_live_bytes, _profiled
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "titanite.train", *tiny_train_args(checkpoints[name], data, run, steps=2)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    step = run / "checkpoints" / "step-2"
+    with _profiled() as prof:
+        export_checkpoint(step, tmp_path / "exp", shard_mb=1)
+    peak = _peak_live_bytes(prof, set())
+    assert exported_bytes(tmp_path / "exp") == exported_bytes(run / "hf")
+    published = on_disk(run / "hf")
+    largest = max(t.numel() * t.element_size() for t in published.values())
+    metadata = dcp_safe.read_metadata(step)
+    model = {k: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    chunk = max(math.prod(c.sizes) * md.properties.dtype.itemsize for md in model.values() for c in md.chunks)
+    whole = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in model.values())
+    assert peak <= largest + chunk + SLACK, (peak, largest, chunk)
+    assert largest + chunk < whole / 2  # so the bound says something

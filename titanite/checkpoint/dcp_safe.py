@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_read_items
 
 from titanite.errors import UserError
 from titanite.files import inside_folder
@@ -126,6 +129,34 @@ class TensorOnlyPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise UnsafeCheckpoint(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes, not a "
                                "tensor; titanite saves tensors only and refuses to unpickle it")
+
+
+class RegionPlanner(TensorOnlyPlanner):
+    """Loads boxes of checkpoint tensors: each state-dict value is a plain buffer that says,
+    through DCP's chunk-list hook (what a DTensor's local shard uses), which box of the global
+    tensor it is; DCP then reads only the stored chunks that overlap it."""
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        self.plan = LoadPlan([item for fqn, obj in self.state_dict.items()
+                              for item in _create_read_items(fqn, stored[fqn], obj)])
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+
+def read_box(folder: str | Path, key: str, starts: list[int], sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The box [starts, starts + sizes) of checkpoint tensor `key`, read through `SafeReader`.
+    DCP reads each stored chunk that overlaps it whole (one saving rank's shard at most)."""
+    buf = torch.empty(sizes, dtype=dtype)
+    buf.__create_chunk_list__ = lambda: [ChunkStorageMetadata(offsets=torch.Size(starts), sizes=torch.Size(sizes))]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({key: buf}, storage_reader=SafeReader(str(folder)), planner=RegionPlanner(flatten_state_dict=False),
+                 no_dist=True)
+    del buf.__create_chunk_list__
+    return buf
 
 
 def check_compatible(metadata: Metadata, state: dict[str, Any], folder: str | Path) -> None:

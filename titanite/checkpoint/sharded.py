@@ -100,19 +100,19 @@ def view_index(whole: torch.Tensor, piece: torch.Tensor) -> Index | None:
     return tuple(index) if same else None
 
 
-# regions(t, indices): for each index, the region t_full[index] of the global tensor `t`, lazily,
-# in order (a collective: every rank consumes them all). A rank that does not write may get a
-# meta tensor of the region's shape.
-RegionGather = Callable[[torch.Tensor, list[Index]], Iterator[torch.Tensor]]
+# regions(name, t, indices): for each index, the region t_full[index] of the global tensor `t`
+# (the model's state-dict entry `name`), lazily, in order (a collective: every rank consumes them
+# all). A rank that does not write may get a meta tensor of the region's shape.
+RegionGather = Callable[[str, torch.Tensor, list[Index]], Iterator[torch.Tensor]]
 
 
-def local_regions(t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
+def local_regions(name: str, t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
     """The regions of an unsharded tensor."""
     return (t[index] for index in indices)
 
 
-def gather_whole(regions: RegionGather, t: torch.Tensor) -> torch.Tensor:
-    return next(iter(regions(t, [()])))
+def gather_whole(regions: RegionGather, name: str, t: torch.Tensor) -> torch.Tensor:
+    return next(iter(regions(name, t, [()])))
 
 
 def hf_pieces(name: str, tensor: torch.Tensor, adapter, regions: RegionGather) -> Iterator[tuple[str, torch.Tensor]]:
@@ -123,9 +123,9 @@ def hf_pieces(name: str, tensor: torch.Tensor, adapter, regions: RegionGather) -
     pieces = adapter.to_hf(name, whole)
     indices = [view_index(whole, piece) for _, piece in pieces]
     if any(i is None for i in indices):
-        yield from adapter.to_hf(name, gather_whole(regions, tensor))
+        yield from adapter.to_hf(name, gather_whole(regions, name, tensor))
         return
-    for (key, piece), region in zip(pieces, regions(tensor, indices), strict=True):
+    for (key, piece), region in zip(pieces, regions(name, tensor, indices), strict=True):
         assert region.shape == piece.shape, (key, region.shape, piece.shape)
         yield key, region
 

@@ -187,9 +187,8 @@ class ModelHandle(ABC):
             if name not in merge:
                 yield from hf_pieces(name, tensor, adapter, regions)
                 continue
-            whole = functools.partial(gather_whole, regions)
-            full = whole(tensor)
-            a, b = self._full_factors(merge[name], whole)
+            full = gather_whole(regions, name, tensor)
+            a, b = self._full_factors(merge[name], functools.partial(gather_whole, regions, name))
             full = (full.float() + lora.delta(merge[name], a, b, lora.scale(self.lora.cfg))).to(full.dtype)
             yield from adapter.to_hf(name, full)
 

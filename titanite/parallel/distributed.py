@@ -128,14 +128,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def full_regions(t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
+def full_regions(name: str, t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
     """A `RegionGather` that gives every rank every region: the whole tensor is gathered first
     (a collective over its mesh), so each rank holds it while its regions are taken."""
     full = full_tensor(t.detach())
     return (full[index] for index in indices)
 
 
-def regions_to_rank_zero(t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
+def regions_to_rank_zero(name: str, t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
     """A `RegionGather` that assembles each region on rank 0 alone, from the ranks that own its
     parts: no rank holds more than its shards plus the region being assembled (rank 0) or one
     part of its own shard (the others), and the other ranks get meta tensors of the regions'
@@ -156,7 +156,7 @@ def regions_to_rank_zero(t: torch.Tensor, indices: list[Index]) -> Iterator[torc
     for r, box in enumerate(boxes):
         owners.setdefault(tuple(box.tolist()), r)  # the lowest rank holding each distinct box
     for index in indices:
-        lo, hi = _region_bounds(t.shape, index)
+        lo, hi = region_bounds(t.shape, index)
         out = torch.empty([b - a for a, b in zip(lo, hi)], dtype=t.dtype, device=local.device) if rank == 0 else None
         for box, owner in owners.items():
             start, size = box[: t.ndim], box[t.ndim:]
@@ -185,7 +185,7 @@ def _meta_region(t: torch.Tensor, index: Index) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")[index]
 
 
-def _region_bounds(shape: torch.Size, index: Index) -> tuple[list[int], list[int]]:
+def region_bounds(shape: torch.Size, index: Index) -> tuple[list[int], list[int]]:
     """[lo, hi) per dim of the region `index` (slices with explicit bounds, ints, or fewer
     entries than dims) of a tensor of `shape`."""
     lo, hi = [], []
