@@ -21,3 +21,35 @@ def machine() -> str:
 
     return (f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d')}")
+
+
+def mark_phases(trainer_module, phase: list[str]) -> None:
+    """Name the phase of each training step the sampler is in: forward (Trainer._forward),
+    backward (until the gradient clipping), clip, optimizer (AdamW.step), weights check, save."""
+    import torch
+
+    Trainer = trainer_module.Trainer
+    current = {"trainer": None}
+
+    def enter(name: str, fn):
+        def wrapped(*a, **kw):
+            t = current["trainer"]
+            phase[0] = f"step {t.step + 1} {name}" if t is not None and name != "save" else name
+            return fn(*a, **kw)
+        return wrapped
+
+    forward = Trainer._forward
+
+    def marked_forward(self, batch):
+        current["trainer"] = self
+        phase[0] = f"step {self.step + 1} forward"
+        out = forward(self, batch)
+        phase[0] = f"step {self.step + 1} backward"
+        return out
+
+    Trainer._forward = marked_forward
+    trainer_module.clip_grad_norm_ = enter("clip", trainer_module.clip_grad_norm_)
+    torch.optim.AdamW.step = enter("optimizer", torch.optim.AdamW.step)
+    finite = trainer_module.FiniteWatch
+    finite.note_weights = enter("weights check", finite.note_weights)
+    Trainer._save = enter("save", Trainer._save)

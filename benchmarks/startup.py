@@ -59,7 +59,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import machine
+from common import machine, mark_phases
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -87,10 +87,14 @@ def rank_child(argv: list[str]) -> None:
     record = Path(os.environ[RECORD_ENV])
     rank = int(os.environ.get("RANK", "0"))
     peak_anon = [0]
+    phase = ["start-up"]
+    phases: dict[str, int] = {}  # the sampled RssAnon peak of each phase of the run
 
     def sample() -> None:
         while True:
-            peak_anon[0] = max(peak_anon[0], proc_status()["RssAnon"])
+            anon = proc_status()["RssAnon"]
+            peak_anon[0] = max(peak_anon[0], anon)
+            phases[phase[0]] = max(phases.get(phase[0], 0), anon)
             time.sleep(0.01)
 
     threading.Thread(target=sample, daemon=True).start()
@@ -123,11 +127,13 @@ def rank_child(argv: list[str]) -> None:
 
     titanite.trainer.Trainer._start = timed_start
     titanite.trainer.Trainer._save = marked_save
+    mark_phases(titanite.trainer, phase)
     from titanite.parallel.distributed import exit_process
     from titanite.train import main
 
     code = main(argv)
     marks["exit"] = {"t": time.time(), **proc_status(), "peak_anon": peak_anon[0]}
+    marks["phases"] = dict(phases)
     (record / f"rank-{rank}.json").write_text(json.dumps(marks))
     exit_process(code)
 
@@ -141,7 +147,7 @@ def hf_config(args: argparse.Namespace):
     return transformers.Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=4096, tie_word_embeddings=False)
+        head_dim=args.head_dim, max_position_embeddings=4096, tie_word_embeddings=args.tied)
 
 
 def count(args: argparse.Namespace) -> tuple[int, int]:
@@ -159,6 +165,9 @@ def make_model(args: argparse.Namespace) -> None:
     import torch
     import transformers
 
+    if args.inits == ["random"]:  # the config.json is all a random init reads
+        hf_config(args).save_pretrained(args.out)
+        return
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(hf_config(args)).float()
     model.save_pretrained(args.out)  # safetensors
@@ -166,7 +175,7 @@ def make_model(args: argparse.Namespace) -> None:
 
 def make_inputs(root: Path, args: argparse.Namespace, env: dict[str, str]) -> tuple[Path, Path]:
     folder, data = root / "model", root / "data.txt"
-    argv = [sys.executable, __file__, "--make-model", "--out", str(folder)] + shape_argv(args)
+    argv = [sys.executable, __file__, "--make-model", "--out", str(folder), "--inits", *args.inits] + shape_argv(args)
     subprocess.run(argv, check=True, env=env, cwd=REPO, capture_output=True)
     words = "the model is built on the meta device and then every rank holds all of it".split()
     data.write_text("".join(f"{i} " + " ".join(words[i % 7:] + words[:i % 7]) + ".\n" for i in range(2000)))
@@ -180,14 +189,14 @@ def make_inputs(root: Path, args: argparse.Namespace, env: dict[str, str]) -> tu
 def shape_argv(args: argparse.Namespace) -> list[str]:
     return ["--vocab", str(args.vocab), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
             "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-            "--head-dim", str(args.head_dim)]
+            "--head-dim", str(args.head_dim)] + (["--tied"] if args.tied else [])
 
 
 def overrides(folder: Path, data: Path, out: Path, init: str, args: argparse.Namespace) -> list[str]:
     return [f"--{k}={v}" for k, v in {
         "job.output_dir": out, "job.device": "cpu", "model.hf_path": folder, "model.init": init,
         "data.path": data, "data.tokenizer": "qwen3", "data.seq_len": args.seq_len, "training.batch_size": 1,
-        "training.steps": 1, "checkpoint.export_hf": "false", "checkpoint.interval": 0,
+        "training.steps": args.steps, "checkpoint.export_hf": "false", "checkpoint.interval": 0,
         "metrics.peak_tflops": 1, "metrics.progress_bar": "off"}.items()]
 
 
@@ -273,6 +282,11 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    p.add_argument("--steps", type=int, default=1, help="training steps per run")
+    p.add_argument("--estimate-check", action="store_true",
+                   help="the estimate against the measured peak: Qwen3-0.6B's shapes (28 layers, hidden 1024, "
+                        "MLP 3072, 16/8 heads of 128, tied), fp32, batch 1 x 256, 2 steps, random init, 1 and 2 ranks")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--max-total-gib", type=float, default=20.0,
                    help="skip a run whose ranks together would need more than this (or than MemAvailable)")
@@ -282,6 +296,10 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 512, 1536, 2, 8, 4
+    if args.estimate_check:
+        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 1024, 3072, 28, 16, 8
+        args.head_dim, args.tied, args.seq_len, args.steps, args.inits = 128, True, 256, 2, ["random"]
+        args.ranks = args.ranks or [1, 2]
     args.ranks = args.ranks or ([1, 2] if args.quick else [1, 2, 4, 8])
     if args.make_model:
         make_model(args)
@@ -294,7 +312,7 @@ def main() -> None:
     params, largest = count(args)
     model_bytes = 4 * params
     print(f"model: hidden {args.hidden}, {args.layers} layers, MLP {args.intermediate}, {args.heads} query / "
-          f"{args.kv_heads} key-value heads of {args.head_dim}, untied vocabulary {args.vocab:,}: {params:,} "
+          f"{args.kv_heads} key-value heads of {args.head_dim}, {'tied' if args.tied else 'untied'} vocabulary {args.vocab:,}: {params:,} "
           f"parameters ({model_bytes / GIB:.2f} GiB in fp32), largest tensor {largest:,} elements "
           f"({4 * largest / GIB:.2f} GiB)", flush=True)
     rows, notes = [], []
@@ -374,6 +392,18 @@ def main() -> None:
                  if not r["startup_only"] else "")
               + f"  (last rank ready {r['last_rank_ready_s']:.1f} s; "
               f"{r['avail_before'] / GIB:.1f} GiB available before)")
+    print("\nthe estimate against the measured peak RSS through the training steps (VmHWM when the "
+          "end-of-run save begins, above the baseline), GiB per rank:")
+    print("\n| init | ranks | estimate | measured (largest rank) | estimate / measured |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if not r["startup_only"]:
+            st = above(r, "before_save", "VmHWM")
+            print(f"| {r['init']} | {r['n']} | {r['estimate'] / GIB:.2f} | {st / GIB:.2f} | {r['estimate'] / st:.3f} |")
+    print("\nsampled anonymous RSS peak of each phase, GiB above the baseline's (rank 0):")
+    for r in rows:
+        phases = r["ranks"][0].get("phases", {})
+        print(f"  {r['init']} x {r['n']}: " + ", ".join(f"{k} {(v - base['RssAnon']) / GIB:.2f}" for k, v in phases.items()))
     for note in notes:
         print(note)
     sys.stdout.flush()
