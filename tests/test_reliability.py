@@ -347,6 +347,24 @@ def test_6_second_run_on_a_held_folder_exits_at_once(tmp_path, capsys, reference
         held.release()
 
 
+def test_6_ranks_of_the_holding_job_pass_the_preflight_check(tmp_path, monkeypatch):
+    """A rank whose preflight runs after its own rank 0 took the lock is not a second run; a
+    process of another torchrun job, or of none, still is."""
+    from titanite.errors import UserError
+    from titanite.runlock import check_free
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    held = RunLock(tmp_path).acquire()
+    try:
+        check_free(tmp_path)
+        for other in ("job-b", ""):
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", other)
+            with pytest.raises(UserError, match="in use by another titanite run"):
+                check_free(tmp_path)
+    finally:
+        held.release()
+
+
 def test_6_lock_of_a_killed_run_does_not_block(tmp_path, capsys, reference):
     hf, data, want = reference
     out = tmp_path / "run"

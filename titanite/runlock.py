@@ -3,6 +3,8 @@
 Two runs writing one folder interleave metrics.jsonl and overwrite each other's checkpoints.
 Rank 0 of a run takes the lock before it writes anything and holds it until the process ends;
 a second run finds it taken and stops at once (exit 2), naming the holder's pid and host.
+The other ranks of the holder's own torchrun job (the same TORCHELASTIC_RUN_ID, recorded in the
+lock) may find it taken in their preflight, which runs beside rank 0's: that is not a second run.
 The kernel drops an flock when its holder dies, however it dies, so a lock left by a killed
 run never blocks the next one. The lock file is unlinked by its holder before release, and a
 process that locked a file which was meanwhile unlinked tries again, so two runs can never
@@ -35,9 +37,17 @@ def check_free(output_dir: str | Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise _in_use(output_dir, _read_holder(fd)) from None
+        job = _job_id()
+        if job is None or _read_info(fd).get("job") != job:
+            raise _in_use(output_dir, _read_holder(fd)) from None
+        # this job's rank 0 took the lock while this rank was still in preflight
     finally:
         os.close(fd)
+
+
+def _job_id() -> str | None:
+    """The torchrun job this process belongs to (every rank of one launch shares it)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
 
 
 def _in_use(folder: str | Path, holder: str) -> UserError:
@@ -79,7 +89,7 @@ class RunLock:
             os.close(fd)  # the holder unlinked it while we waited: lock the new one
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S"), "job": _job_id()}).encode())
         self._fd = fd
         return self
 
@@ -100,9 +110,17 @@ class RunLock:
                 pass  # not empty: the run wrote something, which stays
 
 
-def _read_holder(fd: int) -> str:
+def _read_info(fd: int) -> dict:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _read_holder(fd: int) -> str:
+    info = _read_info(fd)
+    try:
         return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except KeyError:
         return _UNKNOWN
