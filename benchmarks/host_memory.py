@@ -2,8 +2,9 @@
 
 glibc returns every freed allocation above its mmap threshold to the OS, so a training step
 that allocates and frees the same large tensors faults (and the kernel zeroes) every page again
-each step. The trainer tells glibc to keep freed memory (titanite.device.keep_freed_host_memory);
-`TITANITE_KEEP_FREED_MEMORY=0` leaves glibc's defaults. Each setting runs in its own process:
+each step. A single CPU process keeps freed memory; ranks that share a host return it
+(titanite.device.set_host_memory_policy); `TITANITE_KEEP_FREED_MEMORY=1` / `=0` force keep /
+return, which this compares. Each setting runs in its own process:
 two native trainers at the demo's shapes (debug flavor, 4 x 256 tokens, 151,936 tied vocab),
 `loss = "reference"` and `"chunked"`, alternating one step each (one untimed, then --steps timed).
 
@@ -66,7 +67,8 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps)], env=env,
                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         results[setting] = json.loads(out)
-    print("| loss | s/step, glibc default (min / median) | s/step, freed memory kept (min / median) | speed-up (min) |")
+    print("| loss | s/step, freed memory returned (min / median) | s/step, freed memory kept (min / median) "
+          "| speed-up (min) |")
     print("| --- | ---: | ---: | ---: |")
     for loss in ("reference", "chunked"):
         off, on = sorted(results["0"][loss]), sorted(results["1"][loss])

@@ -240,7 +240,8 @@ def estimate_rows(args: argparse.Namespace) -> None:
             (folder / "config.json").write_text(json.dumps(to_hf_config(flavor_args)))
             for ranks in (1, 8):
                 est = {name: estimate(load_config(None, [f"--{k}={v}" for k, v in
-                                                         {"model.hf_path": folder, **common, **extra}.items()]), ranks)
+                                                         {"model.hf_path": folder, **common, **extra}.items()]), ranks,
+                                        on_gloo=False)
                        for name, extra in runs.items()}
                 full = est["full fine-tune"]
                 every = next(e.lora.base for e in est.values() if e.lora is not None)  # the model's parameters

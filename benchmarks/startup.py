@@ -2,43 +2,32 @@
 
 titanite builds the model on the meta device, applies the parallel plan (FSDP2 over the ranks
 here) on meta, allocates each rank's shards and only then initialises or loads them, one on-disk
-tensor at a time (titanite/checkpoint/sharded.py). The target is a per-rank peak of at most
-1.1 x (16 bytes x parameters / N + the largest tensor): the sharded training state plus one full
-tensor.
+tensor at a time (titanite/checkpoint/sharded.py). Target per rank: 1.1 x (16 bytes x
+parameters / N + the largest tensor).
 
-The model: a transformers Qwen3 (hidden 1024, 7 layers, MLP 3072, 16 query / 8 key-value heads
-of 64, an untied 151,936-row vocabulary: 399.3M parameters, the largest tensor an embedding of
-155.6M) saved with save_pretrained (safetensors, fp32) into a temporary folder by a separate
-process, with `data.tokenizer = "qwen3"` (the real Qwen3 tokenizer; its largest id is 151,668)
-and a small text file, tokenized once ahead of the runs into a token store they share.
+The model: a transformers Qwen3 (hidden 1024, 7 layers, MLP 3072, 16 / 8 heads of 64, untied
+151,936-row vocabulary: 399.3M parameters) saved as fp32 safetensors by a separate process; the
+real Qwen3 tokenizer (`data.tokenizer = "qwen3"`) and a small text file, tokenized once.
 
-Every run is `python -m torch.distributed.run --standalone --nproc_per_node=N` (N = 1: plain
-python) of this file's rank wrapper, which runs titanite.train's main with
-`--model.init=random` (config.json only) or `--model.init=pretrained` (the safetensors),
-one step of 1 x 64 tokens, no export, no GEMM peak measurement, a fresh output folder
-(removed afterwards with its end-of-run checkpoint), OMP_NUM_THREADS=1. Measured:
+Every run is `torch.distributed.run --standalone --nproc_per_node=N` (N = 1: plain python) of
+this file's rank wrapper around titanite.train's main, `--model.init=random` or `pretrained`, one
+step of 1 x 64 tokens, no export, a fresh output folder, OMP_NUM_THREADS=1. Measured:
 
 - start-up time: launch to the trainer's "model qwen3: ... parameters" line, the last thing
   Trainer start-up logs (rank 0), stamped as the launcher's stderr delivers it;
-- each rank's peak RSS at the end of start-up: the wrapper wraps Trainer._start and reads the
-  kernel's VmHWM (/proc/self/status: the high-water mark of the resident set, kept by the
-  kernel, so exact, no sampling) right after the log line; again when the end-of-run checkpoint
-  save begins (through the training step) and at exit (the whole run). A background thread in
-  the wrapper also samples RssAnon every 10 ms, whose peak leaves out file pages (the
-  safetensors files are memory-mapped while loading; those pages count in VmHWM but are page
-  cache, shared between the ranks and reclaimable);
+- each rank's peak RSS: the kernel's VmHWM (/proc/self/status, exact) read right after the log
+  line, when the end-of-run checkpoint save begins (through the step) and at exit (the whole
+  run); and RssAnon sampled every 10 ms by a thread, whose peak leaves out the memory-mapped
+  safetensors pages (page cache, shared between the ranks);
 - all of it above a baseline process that only imports titanite.trainer (torch, transformers),
   measured by the same wrapper.
 
 Next to each row: the target, and `titanite estimate`'s per-rank figure for the same overrides
 and world size (titanite/estimate.py, in-process), which is for the training step.
 
-Before each run the free memory (MemAvailable, capped at --max-total-gib) is checked against
-what the run would need, from a rank's figures as measured on N ranks or the most ranks below
-N: N x the whole-run VmHWM plus 15% for the whole run. A run that would not fit stops every
-rank at the end of start-up instead (after a barrier, so no rank leaves while another is still
-in a start-up collective; "stopped" in the table) when N x the start-up anonymous peak, plus
-the weights' page cache once, plus 10%, fits; otherwise it is skipped with a note.
+Before each run the free memory (MemAvailable, capped at --max-total-gib) is checked against N
+x a rank's need (measured on N ranks already, else the estimate + 25%), plus 15%. A run that
+would not fit stops every rank at the end of start-up ("stopped"), or is skipped with a note.
 
     .venv/bin/python benchmarks/startup.py            # the docs/performance.md table (~5 min on 2 cores)
     .venv/bin/python benchmarks/startup.py --quick    # 2 layers, hidden 512, 1 and 2 ranks
@@ -252,11 +241,9 @@ def launch(ranks: int, train_argv: list[str], record: Path, env: dict[str, str],
 
 def predicted_rank(rows: list[dict], ranks: int, when: str, key: str, guess: float) -> float:
     """A rank's rows[..]["ranks"][..][when][key] on `ranks` ranks: the largest measured on as many
-    ranks (either init), else on the most ranks measured below that, else `guess`."""
-    fewer = [r["n"] for r in rows if r["n"] <= ranks and when in r["ranks"][0]]
-    if not fewer:
-        return guess
-    return max(x[when][key] for r in rows if r["n"] == max(fewer) and when in r["ranks"][0] for x in r["ranks"])
+    ranks (either init), else `guess`."""
+    same = [x[when][key] for r in rows if r["n"] == ranks and when in r["ranks"][0] for x in r["ranks"]]
+    return max(same) if same else guess
 
 
 def baseline(root: Path, env: dict[str, str]) -> dict[str, int]:
@@ -332,10 +319,11 @@ def main() -> None:
                 train_argv = overrides(folder, data, out, init, args)
                 avail = mem_available()
                 room = min(avail, args.max_total_gib * GIB)
+                est = estimate(load_config(None, train_argv), ranks).total
                 # the whole run: its VmHWM counts the shared pages (libraries, the mmapped
-                # weights) in every rank, so this overestimates
+                # weights) in every rank, so this overestimates; unmeasured, the estimate + 25%
                 need_run = 1.15 * ranks * predicted_rank(rows, ranks, "exit", "VmHWM",
-                                                         4 * model_bytes + base["VmHWM"])
+                                                         1.25 * est / 1.15 + base["VmHWM"])
                 # start-up only: every rank's anonymous memory, and the weights' page cache once
                 need_startup = 1.1 * (ranks * predicted_rank(rows, ranks, "startup", "peak_anon",
                                                              model_bytes + base["RssAnon"])
@@ -353,7 +341,6 @@ def main() -> None:
                                  f"cap {args.max_total_gib:g} GiB")
                     print(notes[-1], file=sys.stderr, flush=True)
                     continue
-                est = estimate(load_config(None, train_argv), ranks).total
                 r = launch(ranks, train_argv, root / f"record-{init}-{ranks}", env, args.timeout, startup_only)
                 shutil.rmtree(out, ignore_errors=True)  # the end-of-run checkpoint: ~16 bytes per parameter
                 r.update(init=init, n=ranks, estimate=est, avail_before=avail, startup_only=startup_only)

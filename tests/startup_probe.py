@@ -1,6 +1,7 @@
 """Start a trainer (1 process, or one rank of a torchrun job), measure its start-up, export.
 
     python -m tests.startup_probe REPORT_DIR [train overrides...]
+    python -m tests.startup_probe --step REPORT_DIR [train overrides...]   (a step's peak: step_main)
 
 Each rank writes REPORT_DIR/rank-<r>.json with what it measured while it materialised:
 - `read`: bytes of tensor data the checkpoint reader handed back, counted by a wrapper around
@@ -108,6 +109,40 @@ def main(report: Path, overrides: list[str]) -> None:
     trainer.world.close()
 
 
+def live_state_bytes(trainer: Trainer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state as they are now."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in trainer.model.parameters():
+        seen[id(p)] = local_part(p)
+        if p.grad is not None:
+            seen[id(p.grad)] = local_part(p.grad)
+    for state in trainer.optimizer.state.values():
+        seen.update({id(v): local_part(v) for v in state.values() if torch.is_tensor(v)})
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def step_main(report: Path, overrides: list[str]) -> None:
+    """`--step`: one untimed training step (it creates the optimizer state), then a second under
+    the profiler; REPORT_DIR/step-<r>.json gets `peak`, the most bytes torch held at once during
+    that step: what was live as it began (the states) plus the peak of its allocation events."""
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.train_step().read()
+        trainer.step += 1
+        before = live_state_bytes(trainer)
+        with _profiled() as prof:
+            trainer.train_step().read()
+        report.mkdir(parents=True, exist_ok=True)
+        (report / f"step-{trainer.rank}.json").write_text(json.dumps(
+            {"peak": before + _peak_live_bytes(prof, set()), "before": before}))
+    finally:
+        trainer.close()
+    trainer.world.close()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    if sys.argv[1] == "--step":
+        step_main(Path(sys.argv[2]), sys.argv[3:])
+    else:
+        main(Path(sys.argv[1]), sys.argv[2:])
     exit_process(0)  # as titanite's commands end a rank: no finalisation that could abort it

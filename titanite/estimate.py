@@ -15,11 +15,17 @@ Per rank, in bytes:
   block inputs (and, for 'selective', matmul outputs), plus one block recomputed in backward;
 - transient: FSDP's gathered copies (the root group, and two blocks: the current one and the
   one prefetched) and one block's unsharded gradients before the reduce-scatter.
-The peak is their sum; allocator fragmentation and communication buffers come on top.
+
+These are not all alive at once: the peak is the largest of four moments of a step, counted
+by titanite/estimate_phases.py (`Estimate.phases`).
+On CPU the trainer hands freed memory back when several ranks share the host
+(titanite.device.set_host_memory_policy), so the resident set follows these counts; a single
+process keeps freed memory for speed, and its heap holds some fragmentation on top.
 
 A LoRA run (`[lora] enabled`) is counted by titanite/estimate_lora.py: the frozen base in
 lora.base_dtype with no gradients or optimizer state, fp32 adapters with both, and the adapters'
-own activations and transients on top of the full fine-tune's.
+own activations and transients on top of the full fine-tune's; its peak is the same phases, with
+no vocabulary gradients (the head and the embedding stay frozen).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from titanite.config import Config
@@ -68,10 +74,16 @@ class Estimate:
     flops_per_step: float  # per rank, training (forward + backward + recomputation)
     tokens_per_step: int  # global
     lora: LoraParams | None = None  # a LoRA run's parameter counts (params = its base + adapters)
+    phases: dict[str, float] = field(default_factory=dict)  # the peak of each moment of a step
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute + self.transient
+        """The peak per rank: the largest phase."""
+        return max(self.phases.values())
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
 
 
 def _layer_tensors(a: Qwen3Args, i: int, tp: int, ep: int) -> list[Tensor]:
@@ -160,10 +172,13 @@ def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: 
 
 
 def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
-             profile: ActivationProfile | None = None) -> Estimate:
+             profile: ActivationProfile | None = None, on_gloo: bool | None = None,
+             gloo_buffers: bool = True) -> Estimate:
     """The estimate for `cfg` on `world_size` ranks. The config's model is built on the meta
     device and its layout checked as training checks it; `args` (another architecture, for
-    what-if estimates) and `profile` override what that model says."""
+    what-if estimates) and `profile` override what that model says. `on_gloo`: whether the
+    collectives run on gloo (CPU training; default: whether job.device resolves to the CPU here);
+    `gloo_buffers`: then count the buffers gloo allocates outside torch's allocator too."""
     from titanite.device import pick_device
     from titanite.models.spec import get_spec
     from titanite.preflight import check_layout, choose_loss
@@ -195,7 +210,14 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     flops = per_token * global_tokens / world_size
     if cfg.parallelism.activation_checkpoint == "full":
         flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
-    return Estimate(d, *memory, flops, global_tokens, lora=lora)
+    if on_gloo is None:
+        on_gloo = pick_device(cfg.job.device).type == "cpu"
+    block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
+    from titanite.estimate_phases import step_phases
+
+    phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo,
+                                         gloo_buffers)
+    return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases)
 
 
 def fsdp_transient(d: ParallelDims, a: Qwen3Args, blocks: list[int], top: list[Tensor], grads: list[int],
@@ -216,6 +238,8 @@ def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[T
     compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4  # the copy FSDP gathers, the values
     unsharded = [sum(x.numel for x in layer) for layer in layers]
     transient = fsdp_transient(d, a, unsharded, top, unsharded, compute_bytes)
+    if d.dp == 1 and compute_bytes == 2:  # autocast's bf16 copies of the weights, kept for backward
+        transient += 2.0 * local
     kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
                                        profile.keeps_logits, compute_bytes, sp=profile.sequence_parallel)
     return [local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient]
@@ -251,8 +275,9 @@ def report(e: Estimate, cfg: Config, peak: Peak | None = None) -> str:
     rows = _state_rows(e) + [
         (f"activations (micro-batch {cfg.training.batch_size} x {cfg.data.seq_len}, "
          f"checkpointing {cfg.parallelism.activation_checkpoint})", e.activations),
-        ("recomputed block (checkpointing)", e.recompute), (f"transient ({transient})", e.transient),
-        ("peak", e.total)]
+        ("recomputed block (checkpointing)", e.recompute), (f"transient ({transient})", e.transient)]
+    rows += [(f"at {name}", value) for name, value in e.phases.items()]
+    rows.append(("peak (the largest phase)", e.total))
     width = max(len(r[0]) for r in rows)
     lines = [f"layout: {d.describe()}, mixed precision {cfg.training.mixed_precision}"]
     lines += _lora_line(e, cfg) + ["memory per rank:"]
@@ -279,6 +304,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device-memory-gib", type=float, default=0.0,
                         help="with --rehearse: the memory of one device; a layout that does not fit is named "
                              "with one that would")
+    parser.add_argument("--plan-for", choices=("auto", "cpu", "accelerator"), default="auto",
+                        help="the machines the layout is for: 'accelerator' leaves out the CPU collectives' "
+                             "(gloo's) buffers when planning GPU runs on a machine without one; default: "
+                             "job.device as resolved here")
     args, overrides = parser.parse_known_args(argv)
     from titanite.config import load_config
 
@@ -291,7 +320,8 @@ def main(argv: list[str]) -> int:
 
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     peak = peak_flops(pick_device(cfg.job.device), dtype, cfg.metrics.peak_tflops)
-    e = estimate(cfg, world)
+    on_gloo = None if args.plan_for == "auto" else args.plan_for == "cpu"
+    e = estimate(cfg, world, on_gloo=on_gloo)
     print(report(e, cfg, peak))
     if args.rehearse:
         from titanite import rehearse
@@ -302,9 +332,9 @@ def main(argv: list[str]) -> int:
         print(f"  rehearsal / estimate: parameters {f.params / e.params:.3f}, gradients "
               f"{f.grads / max(e.grads, 1):.3f}, optimizer {f.optimizer / max(e.optimizer, 1):.3f}")
         if args.device_memory_gib:
-            train_peak = f.states + e.activations + e.recompute + e.transient
+            train_peak = e.total - e.states + f.states  # the phases, with the rehearsal's own states
             if train_peak / GiB > args.device_memory_gib:
-                better = rehearse.fitting_layout(cfg, world, args.device_memory_gib)
+                better = rehearse.fitting_layout(cfg, world, args.device_memory_gib, on_gloo)
                 print(f"  training peak {train_peak / GiB:.1f} GiB does not fit {args.device_memory_gib:g} GiB; "
                       + (f"this layout would: {better}" if better else f"no layout of {world} ranks would"))
             else:

@@ -132,7 +132,7 @@ def rehearse(cfg: Config, world_size: int, ranks: list[int] | None = None) -> li
     return [rehearse_rank(cfg, world_size, r) for r in ranks]
 
 
-def fitting_layout(cfg: Config, world_size: int, device_gib: float) -> str | None:
+def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: bool | None = None) -> str | None:
     """The first layout of `world_size` ranks whose estimated training peak fits `device_gib`:
     tensor parallel 1, 2, 4, 8, then (MoE) expert parallel over the sharded ranks, then full
     activation checkpointing; None when none does."""
@@ -149,7 +149,7 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float) -> str | Non
         p = trial.parallelism
         p.activation_checkpoint, p.tp, p.ep, p.dp_shard, p.dp_replicate = ac, tp, ep, -1, 1
         try:
-            total = estimate(trial, world_size).total
+            total = estimate(trial, world_size, on_gloo=on_gloo).total
         except UserError:  # degrees that do not divide the world or the model
             continue
         if total / GiB <= device_gib:

@@ -88,8 +88,8 @@ class Trainer:
     def _start(self, ready: Prepared) -> None:
         cfg = self.cfg
         self.device, self.handle, self.model = ready.device, ready.handle, ready.handle.module
-        if self.device.type == "cpu":  # before the first large allocation; see docs/performance.md
-            devices.keep_freed_host_memory()
+        if self.device.type == "cpu":  # before the step's allocations; see docs/performance.md
+            devices.set_host_memory_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
         self.config_toml = to_toml(cfg)

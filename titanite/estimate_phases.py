@@ -1,0 +1,91 @@
+"""The peak of a step, moment by moment: what `titanite estimate` reports as its peak.
+
+The parts titanite/estimate.py counts (states, activations, transients) are not all alive at
+once, so the peak is the largest of four moments of a step (`Estimate.phases`), each counted from what the step holds then (gradients are set to None after
+every step, so backward starts without them):
+- loss backward: parameters, optimizer state, the kept activations and the transients, with the
+  loss's backward temporaries: beside the kept log-softmax, its gradient and the NLL's (all fp32
+  [tokens, V]); for the chunked loss, its fp32 head gradient and one chunk's rebuilt logits;
+  untied under FSDP, the head's group gathered;
+- blocks' backward: the same without the loss's activations, with the recomputed block and the
+  head's gradient;
+- backward end: parameters, optimizer state and every gradient, with the vocabulary matrix's last
+  gradients before they are reduced. One process sums the head's and the embedding's fp32
+  gradients into a third tensor. Under FSDP, tied, the root group is still gathered beside the
+  head's and the embedding's unsharded gradients and their sum; then the reduce-scatter takes an
+  fp32 input (gloo, on CPU, clones it and allocates half as much again outside torch); the first
+  block's reduce-scatter is still in flight beside either;
+- optimizer step: parameters, gradients and both moments (the fused AdamW adds no temporaries).
+Some buffers live until a collective completes, which varies from step to step. Untied under
+FSDP, the head's all-gather output can outlive the copy into its parameters, and (gloo) the clone
+of the head's reduce-scatter input can outlive that reduce-scatter into the embedding's: up to
+one vocabulary matrix in the compute dtype and one in fp32 above the phases. They are left out:
+counted, the estimate was 14% above a measured 2-rank run (docs/performance.md).
+tests/test_estimate_peak.py holds the phases to the peak torch allocates in a real step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titanite.config import Config
+    from titanite.estimate import Tensor
+    from titanite.models.qwen3.args import Qwen3Args
+    from titanite.parallel.mesh import ParallelDims
+
+
+def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], tokens: int, keeps_logits: bool,
+                memory: list[float], block_grads: int, on_gloo: bool, gloo_buffers: bool) -> dict[str, float]:
+    """The peak bytes per rank at each of a step's heaviest moments (the module docstring says
+    what each holds). `top`: the vocabulary matrices as a rank holds them before FSDP; `memory`:
+    [params, grads, optimizer, activations, recompute, transient] as _full_memory counts them;
+    `block_grads`: the largest block's unsharded gradient elements."""
+    from titanite.kernels.chunked_loss import chunk_rows
+
+    params, grads, optimizer, kept, recompute, transient = memory
+    c = 2 if cfg.training.mixed_precision == "bf16" else 4  # the compute copy and its gradients
+    vocab = top[0].numel  # the embedding (and, tied, the head), this rank's tensor-parallel part
+    shard = math.ceil(top[0].rows / d.dp_shard) * top[0].row_elems  # its FSDP shard
+    logits = tokens * top[0].rows * 4.0  # one fp32 [tokens, V / tp]
+    sharded = d.dp > 1
+    # untied under FSDP: the head's group gathered for its backward (tied, the head is the root,
+    # in `transient`)
+    head = c * vocab if sharded and not a.tie_word_embeddings else 0.0
+    if cfg.lora.enabled:  # the head and the embedding are frozen: no vocabulary gradients
+        first = last = 0.0
+    elif not sharded:  # the head's gradient becomes .grad; tied, the embedding's is summed into it
+        first, last = 4 * vocab, (8 * vocab if a.tie_word_embeddings else 0)
+    else:
+        first = c * vocab  # unsharded, until the reduce-scatter
+        # The vocabulary matrix's reduce-scatter: its unsharded gradient beside the fp32 input
+        # (the output is the shard `grads` counts). gloo clones that input, and its own buffers
+        # (outside torch's allocator) take half as much again.
+        gloo = 4 * vocab + (2 * vocab if gloo_buffers else 0) if on_gloo else 0
+        # and the first block's reduce-scatter, still in flight: its input (and gloo's clone)
+        last = c * vocab + 4 * vocab + gloo + (8 if on_gloo else 4) * block_grads
+        if a.tie_word_embeddings:  # before it: the gathered root, the head's and the embedding's
+            # gradients and their sum, without the root's shard
+            last = max(last, 4 * c * vocab - 4 * shard + (8 if on_gloo else 4) * block_grads)
+    if keeps_logits and d.tp == 1:
+        # kept: the logits and their log-softmax (activation_bytes); in the loss's backward the
+        # logits are gone and the log-softmax sits beside its gradient and the NLL's, all fp32
+        loss_kept = 2 * logits * c / 4
+        loss = 3 * logits - loss_kept
+    elif keeps_logits:  # the vocabulary-parallel loss keeps both; its backward adds three more
+        loss_kept = 2 * logits * c / 4
+        loss = 3 * logits
+    else:  # the chunked loss: one chunk's logits at a time, kept only as one value per token
+        loss_kept = tokens * c
+        chunk = min(tokens, chunk_rows(top[0].rows)) * top[0].rows
+        cast = c if c != 4 else 0  # a 16-bit product is cast to fp32 and back
+        # forward: the chunk's fp32 logits and logsumexp's shifted copy; backward: the fp32 head
+        # gradient beside one rebuilt fp32 chunk and its 16-bit cast, then that cast beside its
+        # 16-bit [V, H] product
+        loss = max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab)))
+    states = params + optimizer  # the gradients are None until backward makes them
+    return {"loss backward": states + kept + transient + head + loss,
+            "blocks' backward": states + kept - loss_kept + recompute + transient + first,
+            "backward end": states + grads + last,
+            "optimizer step": params + grads + optimizer}
