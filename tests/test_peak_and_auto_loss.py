@@ -1,9 +1,10 @@
-"""Honest MFU (a bounded, cached CPU peak; never above 100%; a warning for slow CPU bf16) and
-`loss = "auto"` choosing the loss by memory."""
+"""Honest MFU (a bounded, cached CPU peak; never above 100%; a warning for slow CPU bf16),
+`loss = "auto"` choosing the loss by memory, and the CPU host-memory policy."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import pytest
@@ -84,3 +85,21 @@ def test_auto_loss_chooses_by_the_logits_share_of_memory(monkeypatch, caplog, ba
     assert f"auto -> {want}" in caplog.text and f"{logits_gib:.2f} GiB" in caplog.text
     explicit = load_config(None, ["--kernels.loss=chunked"])
     assert choose_loss(explicit, handle, CPU).select["loss"] == "chunked"  # an explicit choice wins
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("ranks, env, want", [(1, None, "keep"), (2, None, "return"), (2, "1", "keep"),
+                                              (1, "0", "return")])
+def test_host_memory_policy_follows_the_ranks_on_the_host(ranks, env, want):
+    """One process keeps freed host memory; ranks sharing a host return it; the variable forces
+    either. Each in its own process: the policy is process-wide."""
+    import os
+    import subprocess
+
+    environ = {k: v for k, v in os.environ.items() if k != "TITANITE_KEEP_FREED_MEMORY"}
+    if env is not None:
+        environ["TITANITE_KEEP_FREED_MEMORY"] = env
+    out = subprocess.run([sys.executable, "-c", "from titanite.device import set_host_memory_policy; "
+                          f"print(set_host_memory_policy({ranks}))"], env=environ, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == want

@@ -192,7 +192,7 @@ def set_host_memory_policy(ranks_on_host: int) -> str:
       block's gathers and reduce-scatter buffers otherwise pile up in the heap of every rank: at
       Qwen3-0.6B's shapes on 2 ranks the kept heap outgrew the host, and glibc's own moving
       threshold still held ~1.2 GiB per rank above the live tensors; returned, the resident set
-      stays within 4% of `titanite estimate`.
+      stays within 2% of `titanite estimate`.
 
     `TITANITE_KEEP_FREED_MEMORY=1` or `=0` picks keep or return whatever the rank count
     (benchmarks/host_memory.py compares them)."""

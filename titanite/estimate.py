@@ -212,11 +212,11 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
         flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
     if on_gloo is None:
         on_gloo = pick_device(cfg.job.device).type == "cpu"
-    block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
     from titanite.estimate_phases import step_phases
 
-    phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo,
-                                         gloo_buffers)
+    block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
+
+    phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers)
     return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases)
 
 

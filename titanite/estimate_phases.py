@@ -1,8 +1,9 @@
 """The peak of a step, moment by moment: what `titanite estimate` reports as its peak.
 
 The parts titanite/estimate.py counts (states, activations, transients) are not all alive at
-once, so the peak is the largest of four moments of a step (`Estimate.phases`), each counted from what the step holds then (gradients are set to None after
-every step, so backward starts without them):
+once, so the peak is the largest of four moments of a step (`Estimate.phases`), each counted
+from what the step holds then (gradients are set to None after every step, so backward starts
+without them):
 - loss backward: parameters, optimizer state, the kept activations and the transients, with the
   loss's backward temporaries: beside the kept log-softmax, its gradient and the NLL's (all fp32
   [tokens, V]); for the chunked loss, its fp32 head gradient and one chunk's rebuilt logits;
@@ -63,11 +64,12 @@ def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], t
         # (the output is the shard `grads` counts). gloo clones that input, and its own buffers
         # (outside torch's allocator) take half as much again.
         gloo = 4 * vocab + (2 * vocab if gloo_buffers else 0) if on_gloo else 0
-        # and the first block's reduce-scatter, still in flight: its input (and gloo's clone)
-        last = c * vocab + 4 * vocab + gloo + (8 if on_gloo else 4) * block_grads
+        last = c * vocab + 4 * vocab + gloo
         if a.tie_word_embeddings:  # before it: the gathered root, the head's and the embedding's
             # gradients and their sum, without the root's shard
-            last = max(last, 4 * c * vocab - 4 * shard + (8 if on_gloo else 4) * block_grads)
+            last = max(last, 4 * c * vocab - 4 * shard)
+        # beside either, the first block's reduce-scatter, still in flight: its input (and gloo's clone)
+        last += (8 if on_gloo else 4) * block_grads
     if keeps_logits and d.tp == 1:
         # kept: the logits and their log-softmax (activation_bytes); in the loss's backward the
         # logits are gone and the log-softmax sits beside its gradient and the NLL's, all fp32
