@@ -130,14 +130,14 @@ def run_generate(argv: list[str]) -> int:
     setup_logging()
     import torch
 
-    from titanite.device import pick_device
+    from titanite.device import default_compute_dtype, pick_device
     from titanite.generate import Sampling, load_generator
 
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     sampling.check()
     device = pick_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        args.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        args.dtype, default_compute_dtype(device))
     generator = load_generator(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code,
                                base=args.base)
     for prompt in args.prompt:

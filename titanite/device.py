@@ -7,6 +7,7 @@ so CPU, CUDA and out-of-tree devices (e.g. Trainium's `neuron`) share one code p
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -19,46 +20,73 @@ from pathlib import Path
 
 import torch
 
+from titanite import accelerators
 from titanite.errors import UserError
 
 log = logging.getLogger("titanite")
 
-# Dense bf16 peak TFLOP/s by device-name substring (no sparsity).
-_GPU_PEAK_BF16 = {
-    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0,
-    "B200": 2250.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
-}
-
 
 def pick_device(name: str) -> torch.device:
     """'auto' -> the accelerator PyTorch reports (cuda, xpu, neuron, ...) else cpu. Under
-    torchrun each rank takes its LOCAL_RANK's device index."""
+    torchrun each rank takes its LOCAL_RANK's device index. Raises UserError for a device type
+    no backend registered, one with no device present, and an index past the device count."""
     if name == "auto":
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         name = acc.type if acc is not None else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"config key 'job.device': unknown device '{name}'") from None
-    if device.type != "cpu":
-        if not torch.accelerator.is_available() or torch.accelerator.current_accelerator().type != device.type:
-            raise UserError(f"config key 'job.device': '{name}' is not available on this machine")
-        index = int(os.environ.get("LOCAL_RANK", 0)) if device.index is None else device.index
-        device = torch.device(device.type, index)
-        torch.accelerator.set_device_index(index)
+        raise UserError(f"config key 'job.device': unknown device '{name}': no PyTorch backend registered this "
+                        f"device type in this process ({_known_device_types()}); an out-of-tree device's extension "
+                        "must be installed and imported (or autoloaded by PyTorch) first") from None
+    if device.type == "cpu":
+        return device
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != device.type:
+        raise UserError(f"config key 'job.device': '{name}' is not available on this machine "
+                        f"(the accelerator here: {acc.type if acc is not None else 'none'})")
+    index = int(os.environ.get("LOCAL_RANK", 0)) if device.index is None else device.index
+    count = torch.accelerator.device_count()
+    if not 0 <= index < count:
+        raise UserError(f"config key 'job.device': {device.type}:{index} is not available: this machine has "
+                        f"{count} {device.type} device(s)" + (" (torchrun starts one rank per device: "
+                        "--nproc_per_node at most the device count)" if device.index is None else ""))
+    device = torch.device(device.type, index)
+    torch.accelerator.set_device_index(index)
     return device
 
 
+def _known_device_types() -> str:
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return "cpu" + (f" and {acc.type}" if acc is not None else "")
+
+
+# Process-group backends that take `init_process_group(device_id=...)`, binding the rank to its
+# device and connecting eagerly. A plugin backend (a vendor's, or the test device's Python
+# ProcessGroup) need not: c10d then fails with "No backend type associated with device type".
+_BACKENDS_TAKING_DEVICE_ID = ("nccl", "xccl")
+
+
 def dist_backend(device: torch.device) -> str:
-    """Process-group backend for the device: gloo on CPU, the device's default elsewhere."""
+    """Process-group backend for the device: gloo on CPU; elsewhere gloo for CPU tensors beside
+    the backend the device registered (torch.distributed.Backend.default_device_backend_map)."""
     if device.type == "cpu":
         return "gloo"
     from torch.distributed import Backend
 
     backend = Backend.default_device_backend_map.get(device.type)
     if backend is None:
-        raise UserError(f"no torch.distributed backend is registered for device '{device.type}'")
+        raise UserError(f"job.device = '{device.type}' under torchrun: no torch.distributed backend is registered "
+                        f"for device type '{device.type}'; its extension must register one "
+                        f"(torch.distributed.Backend.register_backend(name, creator, devices=['{device.type}']))")
     return f"cpu:gloo,{device.type}:{backend}"
+
+
+def process_group_kwargs(device: torch.device, backend: str) -> dict:
+    """Extra init_process_group arguments for `backend` on `device`: `device_id` only for the
+    backends known to take it."""
+    takes = [b for b in _BACKENDS_TAKING_DEVICE_ID if b in backend.split(",")[-1].split(":")]
+    return {"device_id": device} if takes and device.type != "cpu" else {}
 
 
 @dataclass(frozen=True)
@@ -73,17 +101,32 @@ class Peak:
         return f"{value} ({self.source})"
 
 
+def device_name(device: torch.device) -> str | None:
+    """The name `device` reports (e.g. "NVIDIA H100 80GB HBM3"), asked of its device module:
+    torch.cuda, torch.xpu, or an out-of-tree one such as torch.neuron. None for the CPU and for a
+    device module without `get_device_name`."""
+    if device.type == "cpu":
+        return None
+    get_name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+    if get_name is None:
+        return None
+    return get_name() if device.index is None else get_name(device.index)
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0) -> Peak:
-    """Peak FLOP/s for MFU: configured, else the known-GPU table, else a short GEMM measured on
-    this device (on CPU cached per machine, thread count and dtype; see measured_peak)."""
+    """Peak FLOP/s for MFU: configured, else the named-accelerator table (titanite/accelerators.py)
+    by the name the device reports, else a short GEMM measured on this device (on CPU cached per
+    machine, thread count and dtype; see measured_peak)."""
     if configured_tflops > 0:
         return Peak(configured_tflops * 1e12, "metrics.peak_tflops")
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in _GPU_PEAK_BF16.items():
-            if key in name:
-                return Peak(tflops * 1e12 * (1.0 if dtype == torch.bfloat16 else 0.5), f"{key} table")
-        log.warning("unknown GPU '%s': measuring its peak with a GEMM; set metrics.peak_tflops", name)
+    name = device_name(device)
+    if name is not None:
+        acc = accelerators.lookup(name)
+        tflops = acc.peak_tflops(dtype) if acc is not None else None
+        if tflops is not None:
+            return Peak(tflops * 1e12, acc.peak_source(dtype))
+        log.warning("no %s peak is known for device '%s' (%s): measuring one with a GEMM; set "
+                    "metrics.peak_tflops to the device's dense peak", str(dtype).removeprefix("torch."), name, device)
     return measured_peak(device, dtype)
 
 
@@ -213,11 +256,17 @@ def set_host_memory_policy(ranks_on_host: int) -> str:
 
 
 def total_memory(device: torch.device) -> int:
-    """Bytes of memory on `device` (host RAM for the CPU)."""
+    """Bytes of memory on `device` (host RAM for the CPU, and for a device that reports none)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if device.type == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return torch.accelerator.get_memory_info(device)[1] if hasattr(torch.accelerator, "get_memory_info") \
-        else torch.cuda.get_device_properties(device).total_memory
+        return host
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return torch.accelerator.get_memory_info(device)[1]
+    except RuntimeError as e:
+        _no_memory_stats(device, e)
+        return host
 
 
 def synchronize(device: torch.device) -> None:
@@ -225,20 +274,82 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def memory_stats(device: torch.device) -> dict[str, float]:
-    """Memory in GiB: device peak allocated (accelerators) and process peak RSS (host)."""
-    stats = {"host_peak_rss_gib": _peak_rss_bytes() / 2**30}
+@functools.cache
+def has_memory_stats(device_type: str) -> bool:
+    """Whether the device's allocator keeps statistics (torch.accelerator.memory_allocated and
+    friends). PyTorch does not require it of a backend: an allocator that is not a caching
+    DeviceAllocator has none, and asking fails; the run goes on with host RSS only."""
+    if device_type == "cpu":
+        return False
+    try:
+        torch.accelerator.memory_allocated(torch.accelerator.current_device_index())
+        return True
+    except RuntimeError as e:
+        _no_memory_stats(torch.device(device_type), e)
+        return False
+
+
+def _no_memory_stats(device: torch.device, error: Exception) -> None:
+    log.info("%s: its allocator keeps no memory statistics, so device memory is logged as n/a beside the "
+             "host's peak RSS (PyTorch said: %s)", device.type, " ".join(str(error).split())[:200])
+
+
+def memory_stats(device: torch.device) -> dict[str, float | None]:
+    """Memory in GiB: process peak RSS (host) and, on an accelerator, the device's peak allocated
+    and reserved memory: None ("n/a") where its allocator keeps no statistics."""
+    stats: dict[str, float | None] = {"host_peak_rss_gib": _peak_rss_bytes() / 2**30}
     if device.type != "cpu":
-        stats["device_peak_alloc_gib"] = torch.accelerator.max_memory_allocated(device) / 2**30
-        stats["device_reserved_gib"] = torch.accelerator.memory_reserved(device) / 2**30
+        known = has_memory_stats(device.type)
+        stats["device_peak_alloc_gib"] = torch.accelerator.max_memory_allocated(device) / 2**30 if known else None
+        stats["device_reserved_gib"] = torch.accelerator.memory_reserved(device) / 2**30 if known else None
     return stats
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    if device.type != "cpu":
+    if has_memory_stats(device.type):
         torch.accelerator.reset_peak_memory_stats(device)
+
+
+@functools.cache
+def has_pinned_memory(device_type: str) -> bool:
+    """Whether host memory can be pinned for copies to this device type (the CPU needs none;
+    a backend need not provide it). Probed once with a one-element tensor."""
+    if device_type == "cpu" or not torch.accelerator.is_available():
+        return False
+    try:
+        return torch.empty(1).pin_memory().is_pinned()
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("%s has no pinned host memory (%s): the data prefetcher copies from pageable memory",
+                 device_type, str(e).splitlines()[0][:160])
+        return False
+
+
+def rng_state(device: torch.device) -> torch.Tensor | None:
+    """The default generator's state of `device` (None on the CPU: torch.get_rng_state has it)."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 def _peak_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+# --- Predicates: what callers outside this module ask instead of comparing device-type strings ---
+
+
+def is_host(device: torch.device | str) -> bool:
+    """True when `device` (a torch.device or a device-type string such as `"cpu"`) is the host CPU:
+    no accelerator allocator, no device stream, host RAM and host threads."""
+    return (device if isinstance(device, str) else device.type) == "cpu"
+
+
+def default_compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype commands use when none is asked for: float32 on the host CPU (where bf16 matrix
+    products can be far slower; see warn_if_slow_bf16), bfloat16 on accelerators."""
+    return torch.float32 if is_host(device) else torch.bfloat16

@@ -36,14 +36,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from titanite.config import Config
+from titanite import accelerators
+from titanite.config import Config, ParallelismConfig
 from titanite.device import Peak
+from titanite.errors import UserError
 from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
+    import torch
+
     from titanite.estimate_lora import LoraParams
 
 GiB = 2**30
@@ -179,7 +183,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     what-if estimates) and `profile` override what that model says. `on_gloo`: whether the
     collectives run on gloo (CPU training; default: whether job.device resolves to the CPU here);
     `gloo_buffers`: then count the buffers gloo allocates outside torch's allocator too."""
-    from titanite.device import pick_device
+    from titanite.device import is_host, pick_device
     from titanite.models.spec import get_spec
     from titanite.preflight import check_layout, choose_loss
 
@@ -211,7 +215,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     if cfg.parallelism.activation_checkpoint == "full":
         flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
     if on_gloo is None:
-        on_gloo = pick_device(cfg.job.device).type == "cpu"
+        on_gloo = is_host(pick_device(cfg.job.device))
     from titanite.estimate_phases import step_phases
 
     block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
@@ -266,7 +270,8 @@ def _lora_line(e: Estimate, cfg: Config) -> list[str]:
             f"({n.base:,} frozen base; {100 * n.adapters / n.total:.3g}% trainable)"]
 
 
-def report(e: Estimate, cfg: Config, peak: Peak | None = None) -> str:
+def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
+    """The estimate as printed; `peak`: the device peak for MFU, or a line saying why none is known."""
     d = e.dims
     transient = "FSDP gathers, unsharded grads"
     if e.lora is not None:
@@ -284,11 +289,57 @@ def report(e: Estimate, cfg: Config, peak: Peak | None = None) -> str:
     lines += [f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows]
     lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} "
                  f"({e.tokens_per_step} tokens per step over all ranks)")
-    if peak is not None:  # the peak the trainer's MFU uses, from the same function
+    if isinstance(peak, str):
+        lines.append(f"device peak for MFU: {peak}")
+    elif peak is not None:  # the peak the trainer's MFU uses, from the same table or measurement
         lines.append(f"device peak for MFU: {peak.describe()}; one step takes at least "
                      f"{e.flops_per_step / peak.flops:.3g} s at that peak, {e.flops_per_step / (0.4 * peak.flops):.3g} s "
                      "at 40% MFU")
     return "\n".join(lines)
+
+
+def smallest_world(p: ParallelismConfig) -> int:
+    """The fewest ranks `[parallelism]` lays out on: dp_replicate x dp_shard x tp, where
+    dp_shard = -1 (the rest of the world) takes the fewest ranks that expert parallelism can
+    borrow from it: ep. (A fixed dp_shard that ep does not divide fits no world;
+    ParallelDims.resolve says so.)"""
+    return p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else p.ep) * p.tp
+
+
+def _named_accelerator(args: argparse.Namespace) -> accelerators.Accelerator | None:
+    """--device-name's table entry; it implies --plan-for accelerator and, unless given,
+    --device-memory-gib."""
+    if not args.device_name:
+        return None
+    acc = accelerators.lookup(args.device_name)
+    if acc is None:
+        raise UserError(f"--device-name '{args.device_name}' is not a known accelerator; known: "
+                        f"{', '.join(accelerators.names())} (for another, pass --plan-for accelerator, "
+                        "--metrics.peak_tflops=T and --device-memory-gib G)")
+    if args.plan_for not in ("auto", "accelerator"):
+        raise UserError(f"--device-name '{args.device_name}' plans for an accelerator, but --plan-for is 'cpu'")
+    args.plan_for = "accelerator"
+    args.device_memory_gib = args.device_memory_gib or acc.memory_gib
+    return acc
+
+
+def _planned_peak(cfg: Config, plan_for: str, acc: accelerators.Accelerator | None,
+                  dtype: torch.dtype) -> Peak | str:
+    """The device peak for MFU on the machines planned for, or why none is known. Planning for
+    this machine: the peak training takes here. For an accelerator: metrics.peak_tflops, else the
+    named accelerator's (never this machine's)."""
+    from titanite.device import peak_flops, pick_device
+
+    if plan_for != "accelerator":
+        return peak_flops(pick_device(cfg.job.device), dtype, cfg.metrics.peak_tflops)
+    if cfg.metrics.peak_tflops > 0:
+        return Peak(cfg.metrics.peak_tflops * 1e12, "metrics.peak_tflops")
+    tflops = acc.peak_tflops(dtype) if acc is not None else None
+    if tflops is not None:
+        return Peak(tflops * 1e12, acc.peak_source(dtype))
+    if acc is None:
+        return "unknown (no accelerator named); pass --device-name NAME or set metrics.peak_tflops"
+    return f"unknown (no {str(dtype).removeprefix('torch.')} peak for {acc.name}); set metrics.peak_tflops"
 
 
 def main(argv: list[str]) -> int:
@@ -297,30 +348,35 @@ def main(argv: list[str]) -> int:
                                      epilog="Overrides: --section.key=value, as for train.")
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--world-size", type=int, default=0,
-                        help="ranks (nodes x processes per node); default: the product of the degrees")
+                        help="ranks (nodes x processes per node); default: the smallest world the layout "
+                             "allows (dp_replicate x dp_shard x tp, with dp_shard = -1 taking ep ranks)")
     parser.add_argument("--rehearse", action="store_true",
                         help="also apply the real parallel plan to the real model on the meta device under a "
                              "fake process group of --world-size ranks and report each rank's shards")
     parser.add_argument("--device-memory-gib", type=float, default=0.0,
                         help="with --rehearse: the memory of one device; a layout that does not fit is named "
-                             "with one that would")
+                             "with one that would; default with --device-name: that accelerator's")
     parser.add_argument("--plan-for", choices=("auto", "cpu", "accelerator"), default="auto",
                         help="the machines the layout is for: 'accelerator' leaves out the CPU collectives' "
                              "(gloo's) buffers when planning GPU runs on a machine without one; default: "
                              "job.device as resolved here")
+    parser.add_argument("--device-name", default="",
+                        help="the accelerator planned for, which implies --plan-for accelerator: its dense peak "
+                             "for MFU (unless metrics.peak_tflops is set) and its memory (unless "
+                             f"--device-memory-gib is given); one of {', '.join(accelerators.names())}")
     args, overrides = parser.parse_known_args(argv)
+    acc = _named_accelerator(args)
     from titanite.config import load_config
 
     cfg = load_config(args.config, overrides)
-    p = cfg.parallelism
-    world = args.world_size or p.dp_replicate * max(p.dp_shard, 1) * p.tp
+    world = args.world_size or smallest_world(cfg.parallelism)
+    if not args.world_size:
+        print(f"world size: {world} (the smallest the layout allows; pass --world-size to choose)")
     import torch
 
-    from titanite.device import peak_flops, pick_device
-
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    peak = peak_flops(pick_device(cfg.job.device), dtype, cfg.metrics.peak_tflops)
-    on_gloo = None if args.plan_for == "auto" else args.plan_for == "cpu"
+    peak = _planned_peak(cfg, args.plan_for, acc, dtype)
+    on_gloo = {"auto": None, "cpu": True, "accelerator": False}[args.plan_for]
     e = estimate(cfg, world, on_gloo=on_gloo)
     print(report(e, cfg, peak))
     if args.rehearse:

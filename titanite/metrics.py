@@ -76,7 +76,7 @@ class MetricsLogger:
         mfu = "n/a" if row.get("mfu") is None else f"{100 * row['mfu']:.1f}%"  # null when above the peak
         text = (f"step {step}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
                 f"gnorm {row['grad_norm']:.3f} {row['tokens_per_sec']:,.0f} tok/s "
-                f"mfu {mfu} mem {row.get('mem_gib', 0):.1f}GiB{eta}")
+                f"mfu {mfu} mem {_memory(row)}{eta}")
         if self.bar:
             width = 24
             filled = int(width * step / max(1, self.total))
@@ -97,3 +97,10 @@ def _duration(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _memory(row: dict[str, Any]) -> str:
+    """The device's peak; "n/a" with the host's where the device keeps no statistics."""
+    if "device_peak_alloc_gib" in row and row["device_peak_alloc_gib"] is None:
+        return f"n/a (host {row['host_peak_rss_gib']:.1f}GiB)"
+    return f"{row.get('mem_gib', 0):.1f}GiB"

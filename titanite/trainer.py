@@ -88,7 +88,7 @@ class Trainer:
     def _start(self, ready: Prepared) -> None:
         cfg = self.cfg
         self.device, self.handle, self.model = ready.device, ready.handle, ready.handle.module
-        if self.device.type == "cpu":  # before the step's allocations; see docs/performance.md
+        if devices.is_host(self.device):  # before the step's allocations; see docs/performance.md
             devices.set_host_memory_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
@@ -96,7 +96,7 @@ class Trainer:
         self.loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
                                   rank=self.world.dp_rank, world_size=self.world.dp_size)
         if cfg.data.prefetch:
-            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=self.device.type == "cuda")
+            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=devices.has_pinned_memory(self.device.type))
         self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
                           if cfg.eval.path else None)
         self.step = 0
@@ -220,7 +220,7 @@ class Trainer:
                 self.metrics.log({
                     "step": self.step, "lr": lr_at(cfg.training, self.step - 1), **values,
                     "tokens_per_sec": tps, "mfu": self._mfu(tps),
-                    "mem_gib": mem.get("device_peak_alloc_gib", mem["host_peak_rss_gib"]),
+                    "mem_gib": mem.get("device_peak_alloc_gib") or mem["host_peak_rss_gib"],
                     **mem, "tokens_seen": tokens_per_step * self.step,
                     **self.loader.data_metrics(), **eval_row,
                 })

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanite import device as devices
 from titanite.checkpoint import dcp_safe, manifest
 from titanite.errors import UserError
 from titanite.files import file_digest, storage_error
@@ -123,7 +124,7 @@ def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
         _barrier()
         state = {"model": get_model_state_dict(model, options=_TRAINABLE),
                  "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
-                 "rng": {"cpu": torch.get_rng_state()}}
+                 "rng": rng_states(_device_of(model))}
         with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             metadata = dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
@@ -317,9 +318,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     if optimizer is not None:
         optim_full = get_optimizer_state_dict(model, optimizer, options=_FLAT)
         state["optim"] = _tensor_items(optim_full)
-        state["rng"] = {"cpu": torch.get_rng_state()}
     try:
-        dcp_safe.check_compatible(dcp_safe.read_metadata(path), state, path)
+        metadata = dcp_safe.read_metadata(path)
+        if optimizer is not None:  # the device's generator too, where the run saved one
+            state["rng"] = rng_states(_device_of(model), with_device="rng.device" in metadata.state_dict_metadata)
+        dcp_safe.check_compatible(metadata, state, path)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=dcp_safe.SafeReader(str(path)), planner=dcp_safe.TensorOnlyPlanner(),
@@ -337,7 +340,23 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
         optim_full.update(state["optim"])
         set_optimizer_state_dict(model, optimizer, optim_full, options=_FLAT)
         torch.set_rng_state(state["rng"]["cpu"])
+        if "device" in state["rng"]:
+            devices.set_rng_state(_device_of(model), state["rng"]["device"])
     return trainer_state
+
+
+def rng_states(device: torch.device, with_device: bool = True) -> dict[str, torch.Tensor]:
+    """The generators a resume restores: the CPU's, and the accelerator's own (dropout and
+    random init draw from it), so that a resumed run continues bit for bit."""
+    states = {"cpu": torch.get_rng_state()}
+    device_state = devices.rng_state(device) if with_device else None
+    if device_state is not None:
+        states["device"] = device_state
+    return states
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,7 +1,7 @@
 """Prefetch: the loader's batches made in a background thread, a few steps ahead.
 
 `Prefetcher(loader, depth)` runs `loader.next_batch()` in a daemon thread and keeps up to
-`depth` batches ready (in pinned host memory when the device is CUDA, so the copy to the device
+`depth` batches ready (in pinned host memory where the device supports it, so the copy to the device
 can overlap compute), so a training step does not wait for reading, packing or tokenizing
 (streaming). Each batch travels with the loader's position and metrics right after it, and
 `state_dict()` / `data_metrics()` answer for the batches the trainer has taken, not the ones

@@ -18,7 +18,7 @@ import torch
 from titanite import device as devices
 from titanite.kernels import registry
 from titanite.kernels.cases import Case, bench_case
-from titanite.kernels.triton import interpreting
+from titanite.kernels.triton import interpreted
 from titanite.kernels.verify import as_outputs, prepare_args
 
 
@@ -63,7 +63,7 @@ def _time(fn, case: Case, backward: bool, device: torch.device, min_s: float, ma
 
 
 def _peak_mib(fn, case: Case, device: torch.device) -> float | None:
-    if device.type == "cpu":
+    if devices.is_host(device):
         return None
     devices.synchronize(device)
     devices.reset_peak_memory(device)
@@ -90,7 +90,7 @@ def bench(ops: list[str] | None = None, impl: str | None = None, device: torch.d
                 im = impls[name]
                 row = BenchRow(op, name, registry.dtype_name(dtype), case.name, None, None, None, None)
                 why = im.unavailable(device.type, dtype)
-                if why is None and device.type == "cpu" and interpreting() and im.source.startswith("titanite.kernels.triton"):
+                if why is None and interpreted(device.type) and im.source.startswith("titanite.kernels.triton"):
                     why = "Triton interpreter: not timed"
                 if why is not None:
                     row.note = why

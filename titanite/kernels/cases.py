@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from titanite.device import is_host
 from titanite.kernels.reference_ops import IGNORE_INDEX
 
 
@@ -119,7 +120,7 @@ def verify_cases(op: str, dtype: torch.dtype, device: torch.device) -> list[Case
 
 def bench_case(op: str, dtype: torch.dtype, device: torch.device) -> list[Case]:
     """Realistic sizes: Qwen3 (MoE: 30B-A3B) on accelerators, a small fraction of that on CPU."""
-    big = device.type != "cpu"
+    big = not is_host(device)
     g = torch.Generator().manual_seed(0)
 
     def r(*shape, scale=1.0):

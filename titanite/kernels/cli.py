@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from titanite.device import default_compute_dtype
 from titanite.errors import UserError
 from titanite.kernels import registry
 from titanite.kernels.plugins import load_plugins
@@ -124,7 +125,7 @@ def run_bench(argv: list[str]) -> int:
     _common(parser)
     args = parser.parse_args(argv)
     device = _setup(args)
-    dtype = _dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    dtype = _dtype(args.dtype) if args.dtype else default_compute_dtype(device)
     rows = bench(_ops(args.op), args.impl, device, dtype, min_s=args.min_seconds,
                  progress=lambda r: print(f"  {r.op} {r.impl} {r.case}: {r.fwd_bwd_ms or r.fwd_ms or r.note}",
                                           file=sys.stderr, flush=True))

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -223,11 +223,9 @@ def init(device: torch.device, pcfg: ParallelismConfig) -> World:
         return World(device=device, dims=dims)
     rank = int(os.environ["RANK"])
     if not dist.is_initialized():
-        kw: dict[str, Any] = {}
-        if device.type != "cpu":
-            kw["device_id"] = device  # binds the rank to its device; lets the backend connect eagerly
-        dist.init_process_group(backend=devices.dist_backend(device),
-                                timeout=timedelta(seconds=pcfg.collective_timeout_s), **kw)
+        backend = devices.dist_backend(device)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=pcfg.collective_timeout_s),
+                                **devices.process_group_kwargs(device, backend))
     meshes = dims.build_meshes(device.type)
     dp_mesh = meshes["dp"]
     world = World(rank=rank, size=size, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),

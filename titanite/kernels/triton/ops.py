@@ -15,10 +15,10 @@ from torch import Tensor
 
 from titanite.kernels.registry import register
 from titanite.kernels.torch_impls import compute_dtype
-from titanite.kernels.triton import unavailable, unavailable_dot
+from titanite.kernels.triton import COMPILED_ON, INTERPRETED_ON, unavailable, unavailable_dot
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_DEVICES = ("cuda", "xpu", "cpu")  # cpu: only under TRITON_INTERPRET=1 (see `unavailable`)
+_DEVICES = COMPILED_ON + INTERPRETED_ON  # interpreted: only under TRITON_INTERPRET=1 (see `unavailable`)
 
 
 # -- RMSNorm ----------------------------------------------------------------------------------
