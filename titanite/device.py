@@ -324,6 +324,21 @@ def has_pinned_memory(device_type: str) -> bool:
         return False
 
 
+@functools.cache
+def compile_backend(device: torch.device) -> str:
+    """torch.compile's backend for `device`: inductor where it has code generation for the device
+    type (built in, or registered by the device's extension), else aot_eager (the graph is
+    captured and run with the device's own kernels), with a warning."""
+    from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+
+    init_backend_registration()
+    if get_scheduling_for_device(device.type) is not None:
+        return "inductor"
+    log.warning("parallelism.compile: inductor has no code generation for device type '%s'; compiling "
+                "with the 'aot_eager' backend instead (graph capture without fused kernels)", device.type)
+    return "aot_eager"
+
+
 def rng_state(device: torch.device) -> torch.Tensor | None:
     """The default generator's state of `device` (None on the CPU: torch.get_rng_state has it)."""
     if device.type == "cpu":

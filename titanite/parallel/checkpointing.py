@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from titanite import device as devices
+
 # Outputs worth keeping under selective checkpointing: the matmuls and attention, whose
 # recomputation costs FLOPs. Everything else in a block (norms, RoPE, SiLU, residual adds) is
 # cheap elementwise work and is recomputed instead of stored.
@@ -53,7 +55,9 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
         block.forward = forward
 
 
-def apply_compile(blocks: Iterable[nn.Module]) -> None:
-    """torch.compile each block's forward (after checkpointing, so recomputation is compiled too)."""
+def apply_compile(blocks: Iterable[nn.Module], device: torch.device) -> None:
+    """torch.compile each block's forward (after checkpointing, so recomputation is compiled too),
+    with the backend the device supports (titanite.device.compile_backend)."""
+    backend = devices.compile_backend(device)
     for block in blocks:
-        block.forward = torch.compile(block.forward, fullgraph=False)
+        block.forward = torch.compile(block.forward, fullgraph=False, backend=backend)

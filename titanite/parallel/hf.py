@@ -57,7 +57,7 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
     blocks = list(hf.model.layers)
     apply_activation_checkpointing(blocks, p.activation_checkpoint)
     if p.compile:
-        apply_compile(blocks)
+        apply_compile(blocks, world.device)
     if uses_fsdp(world):
         groups: list = blocks if tied else [hf.model.embed_tokens, *blocks, [hf.model.norm, hf.lm_head]]
         # The transformers model is the FSDP root, not the wrapper: every forward (plain or

@@ -35,7 +35,7 @@ def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
     blocks = list(model.layers)
     apply_activation_checkpointing(blocks, p.activation_checkpoint)
     if p.compile:
-        apply_compile(blocks)
+        apply_compile(blocks, world.device)
     if uses_fsdp(world):
         groups: list = blocks
         if model.output is not None:
