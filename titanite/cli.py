@@ -154,6 +154,14 @@ def run_kernels(argv: list[str]) -> int:
 
 
 @_user_errors
+def run_device(argv: list[str]) -> int:
+    setup_logging()
+    from titanite.device_check import main as device_main
+
+    return device_main(argv)
+
+
+@_user_errors
 def run_plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="titanite plot",
                                      description="Draw loss, learning rate and tokens/s of one or more runs "
@@ -230,7 +238,7 @@ def run_estimate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": run_train, "export": run_export, "checkpoint": run_checkpoint, "generate": run_generate, "kernels": run_kernels,
-            "plot": run_plot, "estimate": run_estimate, "data": run_data}
+            "plot": run_plot, "estimate": run_estimate, "data": run_data, "device": run_device}
 
 
 def main(argv: list[str] | None = None) -> int:

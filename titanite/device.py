@@ -313,15 +313,18 @@ def reset_peak_memory(device: torch.device) -> None:
 @functools.cache
 def has_pinned_memory(device_type: str) -> bool:
     """Whether host memory can be pinned for copies to this device type (the CPU needs none;
-    a backend need not provide it). Probed once with a one-element tensor."""
+    a backend need not provide it: pinning may fail, or give memory that is not pinned).
+    Probed once with a one-element tensor."""
     if device_type == "cpu" or not torch.accelerator.is_available():
         return False
     try:
-        return torch.empty(1).pin_memory().is_pinned()
+        if torch.empty(1).pin_memory().is_pinned():
+            return True
+        why = "pinning gives memory that is not pinned"
     except (RuntimeError, NotImplementedError) as e:
-        log.info("%s has no pinned host memory (%s): the data prefetcher copies from pageable memory",
-                 device_type, str(e).splitlines()[0][:160])
-        return False
+        why = " ".join(str(e).split())[:200]
+    log.info("%s has no pinned host memory (%s): the data prefetcher copies from pageable memory", device_type, why)
+    return False
 
 
 @functools.cache

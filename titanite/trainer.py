@@ -96,7 +96,10 @@ class Trainer:
         self.loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
                                   rank=self.world.dp_rank, world_size=self.world.dp_size)
         if cfg.data.prefetch:
-            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=devices.has_pinned_memory(self.device.type))
+            pin = devices.has_pinned_memory(self.device.type)
+            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=pin)
+            log.info("data: prefetching %d batches ahead, in %s host memory", cfg.data.prefetch,
+                     "pinned" if pin else "pageable")
         self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
                           if cfg.eval.path else None)
         self.step = 0

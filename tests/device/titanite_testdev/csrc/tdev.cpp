@@ -5,7 +5,7 @@
 //
 // Knobs, read once when the library loads (tests set them per process):
 //   TITANITE_TESTDEV_COUNT   number of devices (default 4; 0 = the device is not available)
-//   TITANITE_TESTDEV_PINNED  0 = no pinned host memory (a device without it), default 1
+//   TITANITE_TESTDEV_PINNED  0 = no pinned host memory (pinning gives plain host memory), default 1
 
 #include <torch/extension.h>
 
@@ -241,9 +241,11 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     std::lock_guard<std::mutex> lock(pinned_mutex);
     return pinned.count(data) > 0;
   }
+  // Without pinned memory, "pinned" allocations are plain host memory that is_pinned() denies:
+  // PyTorch itself asks a PrivateUse1 backend for this allocator (a non-blocking copy to the
+  // CPU allocates its destination with it), so a backend must answer even when it cannot pin.
   at::Allocator* getPinnedMemoryAllocator() const override {
-    TORCH_CHECK_NOT_IMPLEMENTED(pinned_supported(), "tdev: this device has no pinned host memory");
-    return &pinned_allocator;
+    return pinned_supported() ? static_cast<at::Allocator*>(&pinned_allocator) : c10::GetCPUAllocator();
   }
   bool hasPrimaryContext(c10::DeviceIndex /*index*/) const override { return true; }
   c10::DeviceIndex deviceCount() const override { return device_count(); }
