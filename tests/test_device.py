@@ -159,3 +159,46 @@ def test_device_without_a_c10d_backend_under_torchrun(tmp_path, tiny_hf, tiny_da
     assert "no torch.distributed backend is registered for device type 'tdev'" in errors.pop()
     assert "exitcode  : 2" in proc.stderr or "exit code 2" in proc.stderr or "(exitcode: 2)" in proc.stderr, \
         proc.stderr[-3000:]
+
+
+# -- the test device behaves as a vendor's device, not as the CPU under another name -----------
+
+DEVICE_BASICS = r'''
+import io, torch, titanite_testdev
+assert torch.accelerator.current_accelerator().type == "tdev" and torch.accelerator.device_count() == 4
+x = torch.arange(6.0, device="tdev:1")
+assert x.device == torch.device("tdev", 1) and x.untyped_storage().device.type == "tdev"
+buf = io.BytesIO(); torch.save({"w": torch.ones(3)}, buf); buf.seek(0)
+assert torch.load(buf, map_location="tdev", weights_only=True)["w"].device.type == "tdev"
+torch.manual_seed(5); a = torch.rand(4, device="tdev")
+torch.manual_seed(5); torch.random.default_generator.manual_seed(6); b = torch.rand(4, device="tdev")
+assert torch.equal(a.cpu(), b.cpu())  # the device draws from its own generator, not the CPU's
+torch.tdev.manual_seed_all(5); c = torch.rand(4, device="tdev:0"); torch.rand(4, device="tdev:0")
+assert torch.equal(torch.rand(4, device="tdev:1").cpu(), c.cpu())  # each device has its own state
+with torch.autocast("tdev", dtype=torch.bfloat16):
+    assert (x[:4].view(2, 2) @ x[:4].view(2, 2)).dtype == torch.bfloat16
+s, e = torch.tdev.Stream(), torch.tdev.Event(enable_timing=True)
+with torch.tdev.stream(s):
+    assert torch.accelerator.current_stream().stream_id == s.stream_id
+e.record(); e.synchronize()
+print("ok")
+'''
+
+
+def test_the_test_device_is_its_own_device():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DEVICE_BASICS], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_device_id_goes_only_to_backends_that_take_it():
+    import torch
+
+    from titanite.device import process_group_kwargs
+
+    gpu = torch.device("cuda", 1)
+    assert process_group_kwargs(gpu, "cpu:gloo,cuda:nccl") == {"device_id": gpu}
+    assert process_group_kwargs(gpu, "cpu:gloo,cuda:vendorccl") == {}  # a plugin backend
+    assert process_group_kwargs(torch.device("cpu"), "gloo") == {}

@@ -135,7 +135,7 @@ def run_generate(argv: list[str]) -> int:
 
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     sampling.check()
-    device = pick_device(args.device)
+    device = pick_device(args.device, "--device")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, default_compute_dtype(device))
     generator = load_generator(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code,

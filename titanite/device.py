@@ -26,29 +26,30 @@ from titanite.errors import UserError
 log = logging.getLogger("titanite")
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, source: str = "config key 'job.device'") -> torch.device:
     """'auto' -> the accelerator PyTorch reports (cuda, xpu, neuron, ...) else cpu. Under
-    torchrun each rank takes its LOCAL_RANK's device index. Raises UserError for a device type
-    no backend registered, one with no device present, and an index past the device count."""
+    torchrun each rank takes its LOCAL_RANK's device index. Raises UserError, naming `source`
+    (where the name came from), for a device type no backend registered, one with no device
+    present, and an index past the device count."""
     if name == "auto":
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         name = acc.type if acc is not None else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"config key 'job.device': unknown device '{name}': no PyTorch backend registered this "
+        raise UserError(f"{source}: unknown device '{name}': no PyTorch backend registered this "
                         f"device type in this process ({_known_device_types()}); an out-of-tree device's extension "
                         "must be installed and imported (or autoloaded by PyTorch) first") from None
     if device.type == "cpu":
         return device
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if acc is None or acc.type != device.type:
-        raise UserError(f"config key 'job.device': '{name}' is not available on this machine "
+        raise UserError(f"{source}: '{name}' is not available on this machine "
                         f"(the accelerator here: {acc.type if acc is not None else 'none'})")
     index = int(os.environ.get("LOCAL_RANK", 0)) if device.index is None else device.index
     count = torch.accelerator.device_count()
     if not 0 <= index < count:
-        raise UserError(f"config key 'job.device': {device.type}:{index} is not available: this machine has "
+        raise UserError(f"{source}: {device.type}:{index} is not available: this machine has "
                         f"{count} {device.type} device(s)" + (" (torchrun starts one rank per device: "
                         "--nproc_per_node at most the device count)" if device.index is None else ""))
     device = torch.device(device.type, index)
@@ -76,7 +77,7 @@ def dist_backend(device: torch.device) -> str:
 
     backend = Backend.default_device_backend_map.get(device.type)
     if backend is None:
-        raise UserError(f"job.device = '{device.type}' under torchrun: no torch.distributed backend is registered "
+        raise UserError(f"several ranks on '{device.type}': no torch.distributed backend is registered "
                         f"for device type '{device.type}'; its extension must register one "
                         f"(torch.distributed.Backend.register_backend(name, creator, devices=['{device.type}']))")
     return f"cpu:gloo,{device.type}:{backend}"
@@ -290,8 +291,10 @@ def has_memory_stats(device_type: str) -> bool:
 
 
 def _no_memory_stats(device: torch.device, error: Exception) -> None:
-    log.info("%s: its allocator keeps no memory statistics, so device memory is logged as n/a beside the "
-             "host's peak RSS (PyTorch said: %s)", device.type, " ".join(str(error).split())[:200])
+    # PyTorch words this as an internal assert; it is the normal answer for such an allocator.
+    log.info("%s: its allocator keeps no memory statistics (it is not a caching DeviceAllocator), so device "
+             "memory is logged as n/a beside the host's peak RSS", device.type)
+    log.debug("torch.accelerator's memory statistics on %s: %s", device.type, " ".join(str(error).split()))
 
 
 def memory_stats(device: torch.device) -> dict[str, float | None]:

@@ -285,7 +285,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-    device = devices.pick_device(args.device)
+    device = devices.pick_device(args.device, "--device")
     if args.nproc and not devices.is_host(device) and args.nproc > (count := torch.accelerator.device_count()):
         raise UserError(f"--nproc {args.nproc}: this machine has {count} {device.type} device(s), and the "
                         "collective check runs one process per device")

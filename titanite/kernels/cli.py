@@ -38,7 +38,7 @@ def _setup(args: argparse.Namespace) -> torch.device:
 
         plugins = load_config(args.config).kernels.plugins + plugins
     load_plugins(plugins)
-    return devices.pick_device(args.device)
+    return devices.pick_device(args.device, "--device")
 
 
 def _ops(op: str | None) -> list[str] | None:

@@ -180,7 +180,5 @@ def _create(store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGrou
 def register() -> None:
     if os.environ.get("TITANITE_TESTDEV_C10D", "1") == "0":
         return
-    if NAME.upper() in dist.Backend.__members__ if hasattr(dist.Backend, "__members__") else False:
-        return
-    if getattr(dist.Backend, NAME.upper(), None) is None:
+    if getattr(dist.Backend, NAME.upper(), None) is None:  # once per process
         dist.Backend.register_backend(NAME, _create, devices=["tdev"])

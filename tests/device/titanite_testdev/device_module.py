@@ -47,6 +47,20 @@ def set_device(device) -> None:
     _C.set_device(_index(device))
 
 
+class device:
+    """Context manager making `device` the current one (torch.load moves storages with it)."""
+
+    def __init__(self, device) -> None:
+        self.index, self.previous = _index(device), -1
+
+    def __enter__(self) -> None:
+        self.previous = current_device()
+        set_device(self.index)
+
+    def __exit__(self, *exc) -> None:
+        set_device(self.previous)
+
+
 def get_device_name(device=None) -> str:
     return f"titanite test device {_index(device)}"
 
