@@ -26,17 +26,19 @@ def _done(result=None) -> dist.Work:
     return _create_work_from_future(fut)
 
 
-class _Staged:
-    """Host copies of a list of tensors, written back to the originals after the collective."""
+def _to_host(x):
+    """Host copies of a tensor, or of a (nested) list of them; CPU tensors are used as they are."""
+    if isinstance(x, (list, tuple)):
+        return [_to_host(e) for e in x]
+    return x.detach().cpu() if x.device.type != "cpu" else x
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.originals = tensors
-        self.host = [t.detach().cpu() if t.device.type != "cpu" else t for t in tensors]
 
-    def write_back(self) -> None:
-        for orig, host in zip(self.originals, self.host, strict=True):
-            if host is not orig:
-                orig.copy_(host)
+def _write_back(originals, host) -> None:
+    if isinstance(originals, (list, tuple)):
+        for o, h in zip(originals, host, strict=True):
+            _write_back(o, h)
+    elif host is not originals:
+        originals.copy_(host)
 
 
 class TdevProcessGroup(dist.ProcessGroup):
@@ -62,42 +64,31 @@ class TdevProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _run(self, tensors: list[torch.Tensor], call) -> dist.Work:
-        staged = _Staged(tensors)
-        call(staged.host).wait()
-        staged.write_back()
-        return _done(tensors)
-
-    def _run_io(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], call) -> dist.Work:
-        out, inp = _Staged(outputs), _Staged(inputs)
-        call(out.host, inp.host).wait()
-        out.write_back()
+    def _staged(self, outputs, inputs, call) -> dist.Work:
+        """Run gloo's `call(host_outputs, host_inputs)`, then copy the outputs back (in-place
+        collectives pass their tensors as outputs and no inputs)."""
+        host_out, host_in = _to_host(outputs), _to_host(inputs)
+        call(host_out, host_in).wait()
+        _write_back(outputs, host_out)
         return _done(outputs)
 
-    # ---- collectives ----
+    # ---- collectives: gloo's, on host copies ----
     def allreduce(self, tensors, opts=None):
-        opts = opts or dist.AllreduceOptions()
-        return self._run(list(tensors), lambda h: self._gloo.allreduce(h, opts))
+        return self._staged(list(tensors), [], lambda o, _: self._gloo.allreduce(o, opts or dist.AllreduceOptions()))
 
     def broadcast(self, tensors, opts=None):
-        opts = opts or dist.BroadcastOptions()
-        return self._run(list(tensors), lambda h: self._gloo.broadcast(h, opts))
+        return self._staged(list(tensors), [], lambda o, _: self._gloo.broadcast(o, opts or dist.BroadcastOptions()))
 
     def reduce(self, tensors, opts=None):
-        return self._run(list(tensors), lambda h: self._gloo.reduce(h, opts or dist.ReduceOptions()))
+        return self._staged(list(tensors), [], lambda o, _: self._gloo.reduce(o, opts or dist.ReduceOptions()))
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
-        outs = [_Staged(list(lst)) for lst in output_lists]
-        inp = _Staged(list(inputs))
-        self._gloo.allgather([o.host for o in outs], inp.host, opts).wait()
-        for o in outs:
-            o.write_back()
-        return _done(output_lists)
+        return self._staged(output_lists, list(inputs),
+                            lambda o, i: self._gloo.allgather(o, i, opts or dist.AllgatherOptions()))
 
     def _allgather_base(self, output, input, opts=None):
-        opts = opts or dist.AllgatherOptions()
-        return self._run_io([output], [input], lambda o, i: self._gloo._allgather_base(o[0], i[0], opts))
+        return self._staged(output, input,
+                            lambda o, i: self._gloo._allgather_base(o, i, opts or dist.AllgatherOptions()))
 
     all_gather_single = _allgather_base
 
@@ -107,16 +98,12 @@ class TdevProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
-        out = _Staged(list(outputs))
-        ins = [_Staged(list(lst)) for lst in input_lists]
-        self._gloo.reduce_scatter(out.host, [i.host for i in ins], opts).wait()
-        out.write_back()
-        return _done(outputs)
+        return self._staged(list(outputs), input_lists,
+                            lambda o, i: self._gloo.reduce_scatter(o, i, opts or dist.ReduceScatterOptions()))
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
-        return self._run_io([output], [input], lambda o, i: self._gloo._reduce_scatter_base(o[0], i[0], opts))
+        return self._staged(output, input,
+                            lambda o, i: self._gloo._reduce_scatter_base(o, i, opts or dist.ReduceScatterOptions()))
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -126,44 +113,31 @@ class TdevProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        opts = opts or dist.AllToAllOptions()
-        return self._run_io([output], [input], lambda o, i: self._gloo.alltoall_base(
-            o[0], i[0], output_split_sizes, input_split_sizes, opts))
+        return self._staged(output, input, lambda o, i: self._gloo.alltoall_base(
+            o, i, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()))
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+    all_to_all_single = alltoall_base
 
     def alltoall(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllToAllOptions()
-        return self._run_io(list(outputs), list(inputs), lambda o, i: self._gloo.alltoall(o, i, opts))
+        return self._staged(list(outputs), list(inputs),
+                            lambda o, i: self._gloo.alltoall(o, i, opts or dist.AllToAllOptions()))
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = opts or dist.GatherOptions()
-        outs = [_Staged(list(lst)) for lst in output_lists]
-        inp = _Staged(list(inputs))
-        self._gloo.gather([o.host for o in outs], inp.host, opts).wait()
-        for o in outs:
-            o.write_back()
-        return _done(output_lists)
+        return self._staged(output_lists, list(inputs),
+                            lambda o, i: self._gloo.gather(o, i, opts or dist.GatherOptions()))
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = opts or dist.ScatterOptions()
-        out = _Staged(list(outputs))
-        ins = [_Staged(list(lst)) for lst in input_lists]
-        self._gloo.scatter(out.host, [i.host for i in ins], opts).wait()
-        out.write_back()
-        return _done(outputs)
+        return self._staged(list(outputs), input_lists,
+                            lambda o, i: self._gloo.scatter(o, i, opts or dist.ScatterOptions()))
 
     def send(self, tensors, dst, tag=0):
-        staged = _Staged(list(tensors))
-        self._gloo.send(staged.host, dst, tag).wait()
-        return _done(tensors)
+        return self._staged([], list(tensors), lambda _, i: self._gloo.send(i, dst, tag))
 
     def recv(self, tensors, src, tag=0):
-        return self._run(list(tensors), lambda h: self._gloo.recv(h, src, tag))
+        return self._staged(list(tensors), [], lambda o, _: self._gloo.recv(o, src, tag))
 
     def recv_anysource(self, tensors, tag=0):
-        return self._run(list(tensors), lambda h: self._gloo.recv_anysource(h, tag))
+        return self._staged(list(tensors), [], lambda o, _: self._gloo.recv_anysource(o, tag))
 
     def barrier(self, opts=None):
         self._gloo.barrier(opts or dist.BarrierOptions()).wait()
