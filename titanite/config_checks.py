@@ -1,6 +1,6 @@
-"""The value rules of a run configuration (titanite/config.py fills the dataclasses in and
-checks keys and types; this checks what the values may be), with no I/O. Each broken rule raises
-`UserError` naming the key, the value and the rule."""
+"""The value rules of a run configuration (titanite/config.py fills the dataclasses of
+config_schema.py in and checks keys and types; this checks what the values may be), with no I/O.
+Each broken rule raises `UserError` naming the key, the value and the rule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from titanite.config import Config, DataConfig, coerce
+from titanite.config_schema import Config, DataConfig, coerce
 from titanite.errors import UserError, did_you_mean
 
 

@@ -17,20 +17,19 @@ this loader, a weighted mixture of sources (mixture.py) or a stream tokenized wh
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from titanite.config import DataConfig
+from titanite.data.mixture import MixtureLoader
 from titanite.data.packing import SampleWindows, StreamWindows, pack, packing_mode
+from titanite.data.position import check_position, mix_seed
 from titanite.data.sources import describe_source
+from titanite.data.streaming import StreamingLoader
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
-
-if TYPE_CHECKING:
-    from titanite.data.mixture import MixtureLoader
-    from titanite.data.streaming import StreamingLoader
 
 log = logging.getLogger("titanite")
 
@@ -173,41 +172,12 @@ class PackedLoader:
         assert self.position <= self.batches_per_epoch, (self.position, self.batches_per_epoch)
 
 
-_KINDS = {"packed": "one prepared source (data.path)", "mixture": "a mixture (data.sources)",
-          "streaming": "a stream (data.streaming)"}
-
-
-def check_position(state: dict[str, Any], kind: str, seq_len: int) -> None:
-    """A checkpoint's loader position must be of this kind of loader and this data.seq_len
-    (a position without a kind is a single prepared source's)."""
-    found = state.get("kind", "packed")
-    if found != kind:
-        raise UserError(f"the checkpoint's data position is of {_KINDS.get(found, repr(found))}, but this run reads "
-                        f"{_KINDS[kind]}; resume with the data settings the run was started with")
-    if state.get("seq_len") != seq_len:
-        raise UserError(f"data.seq_len is {seq_len} but the checkpoint was trained with {state.get('seq_len')}; "
-                        "resume with the same data.seq_len")
-
-
-def mix_seed(*parts: int) -> int:
-    """One 64-bit generator seed per tuple (seed, epoch, ...); a golden-ratio multiply keeps
-    nearby tuples apart. (seed, epoch) gives the single-source loader's epoch seeds."""
-    h = parts[0]
-    for p in parts[1:]:
-        h = h * 0x9E3779B97F4A7C15 + p
-    return h % 2**64
-
-
 def make_loader(cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, seed: int, rank: int = 0,
                 world_size: int = 1) -> PackedLoader | MixtureLoader | StreamingLoader:
     """The training loader for `[data]`: a mixture when data.sources is set, a stream when
     data.streaming is, else one prepared source."""
     if cfg.sources:
-        from titanite.data.mixture import MixtureLoader
-
         return MixtureLoader(cfg, tokenizer, batch_size, seed, rank, world_size)
     if cfg.streaming:
-        from titanite.data.streaming import StreamingLoader
-
         return StreamingLoader(cfg, tokenizer, batch_size, seed, rank, world_size)
     return PackedLoader(cfg, tokenizer, batch_size, seed, rank, world_size)

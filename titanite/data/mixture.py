@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from titanite.config import Config, DataConfig
-from titanite.data.loader import check_position, mix_seed
 from titanite.data.packing import Packed, SampleWindows, pack, packing_mode
+from titanite.data.position import check_position, mix_seed
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from titanite.config import DataConfig
-from titanite.data.loader import check_position
+from titanite.data.position import check_position
 from titanite.data.prepare import encode_documents
 from titanite.data.sources import SourceStats, describe_source, iter_documents
 from titanite.data.store import is_store
