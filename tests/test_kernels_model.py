@@ -191,7 +191,7 @@ def test_verify_runs_each_implementation_through_the_model_call_sites(spec, scra
     """`titanite kernels verify --spec` binds each implementation at its op's call sites in a
     real model of the backend: every built-in that runs here passes in fp32 and bf16, a kernel
     that was called counts its calls, and a wrong one fails."""
-    from titanite.kernels.call_sites import verify_call_sites
+    from titanite.models.call_sites import verify_call_sites
 
     calls: list[str] = []
     counting("swiglu", "scratch_counting_swiglu", scratch_impls, calls)

@@ -11,9 +11,9 @@ from titanite import kernels
 from titanite.config import ModelConfig
 from titanite.errors import UserError
 from titanite.kernels.attach import default_impl
+from titanite.kernels.routing import expert_counts
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.models.qwen3.model import Qwen3
-from titanite.models.moe_stats import expert_counts
 from titanite.models.qwen3.moe import MoE, TopKRouter
 from titanite.models.spec import get_spec
 

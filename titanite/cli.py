@@ -149,8 +149,9 @@ def run_generate(argv: list[str]) -> int:
 def run_kernels(argv: list[str]) -> int:
     setup_logging()
     from titanite.kernels.cli import main as kernels_main
+    from titanite.models.call_sites import verify_call_sites
 
-    return kernels_main(argv)
+    return kernels_main(argv, call_sites=verify_call_sites)
 
 
 @_user_errors
@@ -232,7 +233,7 @@ def run_data(argv: list[str]) -> int:
 
 @_user_errors
 def run_estimate(argv: list[str]) -> int:
-    from titanite.estimate import main as estimate_main
+    from titanite.plan import main as estimate_main
 
     return estimate_main(argv)
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+import titanite.kernels.registry as registry
 from titanite.errors import UserError
-from titanite.kernels import registry
 
 log = logging.getLogger("titanite")
 

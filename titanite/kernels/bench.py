@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from titanite import device as devices
-from titanite.kernels import registry
+import titanite.device as devices
+import titanite.kernels.registry as registry
 from titanite.kernels.cases import Case, bench_case
-from titanite.kernels.triton import interpreted
+from titanite.kernels.triton.availability import interpreted
 from titanite.kernels.verify import as_outputs, prepare_args
 
 
@@ -84,7 +84,7 @@ def bench(ops: list[str] | None = None, impl: str | None = None, device: torch.d
     for op in ops:
         impls = registry.implementations(op)
         names = [n for n in impls if impl is None or n in (impl, registry.REFERENCE)]
-        for case in bench_case(op, dtype, device):
+        for case in bench_case(op, dtype, device, big=not devices.is_host(device)):
             ref_ms = None
             for name in names:
                 im = impls[name]

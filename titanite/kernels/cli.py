@@ -2,22 +2,29 @@
 
 Plugins come from `--plugins` and from `--config FILE`'s `kernels.plugins` (and, always, from
 the `titanite.kernels` entry-point group), so a user checks their own kernel with the command
-that checks the built-in ones. `verify` exits 1 when any implementation fails.
+that checks the built-in ones. `verify` exits 1 when any implementation fails. `verify --spec`
+runs through a model's call sites: that check builds models, so it lives in the model layer
+(`models/call_sites.py`) and `titanite.cli` passes it in (`main(argv, call_sites)`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from titanite.device import default_compute_dtype
+import titanite.kernels.registry as registry
+from titanite.device import default_compute_dtype, pick_device
 from titanite.errors import UserError
-from titanite.kernels import registry
 from titanite.kernels.plugins import load_plugins
+
+# verify_call_sites(spec, ops, impl, device, dtypes, progress=...) -> rows, as models/call_sites.py has it.
+CallSites = Callable[..., list]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,15 +37,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace) -> torch.device:
-    from titanite import device as devices
-
     plugins = list(args.plugins)
     if args.config:
         from titanite.config import load_config
 
         plugins = load_config(args.config).kernels.plugins + plugins
     load_plugins(plugins)
-    return devices.pick_device(args.device, "--device")
+    return pick_device(args.device, "--device")
 
 
 def _ops(op: str | None) -> list[str] | None:
@@ -83,7 +88,7 @@ def run_list(argv: list[str]) -> int:
     return 0
 
 
-def run_verify(argv: list[str]) -> int:
+def run_verify(argv: list[str], call_sites: CallSites) -> int:
     from titanite.kernels.verify import format_table, verify
 
     parser = argparse.ArgumentParser(prog="titanite kernels verify",
@@ -100,9 +105,7 @@ def run_verify(argv: list[str]) -> int:
     device = _setup(args)
     dtypes = [_dtype(d) for d in args.dtype] if args.dtype else None
     if args.spec:
-        from titanite.kernels.call_sites import verify_call_sites
-
-        rows = verify_call_sites(args.spec, _ops(args.op), args.impl, device, dtypes, progress=_progress)
+        rows = call_sites(args.spec, _ops(args.op), args.impl, device, dtypes, progress=_progress)
     else:
         rows = verify(_ops(args.op), args.impl, device, dtypes, progress=_progress)
     where = f" through the {args.spec} model's call sites" if args.spec else ""
@@ -135,14 +138,14 @@ def run_bench(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"list": run_list, "verify": run_verify, "bench": run_bench}
-
-
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in SUBCOMMANDS:
+def main(argv: list[str], call_sites: CallSites) -> int:
+    """`titanite kernels ARGV`; `call_sites` runs `verify --spec` (models/call_sites.py's)."""
+    subcommands = {"list": run_list, "verify": functools.partial(run_verify, call_sites=call_sites),
+                   "bench": run_bench}
+    if not argv or argv[0] not in subcommands:
         print("usage: titanite kernels {list|verify|bench} [OP] [--impl NAME] [--plugins MODULE ...] "
               "[--config FILE] [--device D]")
         if argv and argv[0] not in ("-h", "--help"):
-            raise UserError(f"unknown kernels subcommand '{argv[0]}'; choose from {', '.join(SUBCOMMANDS)}")
+            raise UserError(f"unknown kernels subcommand '{argv[0]}'; choose from {', '.join(subcommands)}")
         return 0
-    return SUBCOMMANDS[argv[0]](argv[1:])
+    return subcommands[argv[0]](argv[1:])

@@ -55,6 +55,7 @@ from torch import nn
 
 from titanite.kernels.attach import Kernel
 from titanite.kernels.reference_ops import IGNORE_INDEX, block_causal_mask
+from titanite.kernels.routing import RoutingRecord, expert_counts
 
 NAME = "titanite"
 _registered = False
@@ -189,8 +190,6 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
     The routing runs in fp32 as the native router's (under bf16 autocast too). Its first output
     is what transformers records as the router logits (output_router_logits): the
     log-probabilities, whose softmax is the router's probabilities."""
-    from titanite.models.moe_stats import RoutingRecord, expert_counts
-
     x = hidden_states.reshape(-1, self.hidden_dim)
     with torch.autocast(x.device.type, enabled=False):
         probs, weights, ids = self.kernel(x.float(), self.weight.float(), self.top_k, self.norm_topk_prob, None)

@@ -5,6 +5,11 @@ An implementation registers under the op with a name, the device types and dtype
 and, optionally, a check for anything else it needs (a package, an environment). Its Python
 signature must match the reference's: same parameter names, in the same order, with the same
 defaults, so a call site written against the reference calls any implementation.
+
+The registry imports no implementation: the built-in ones register themselves when the package
+`titanite.kernels` is imported (its `__init__` imports them), which happens before any of its
+modules, this one included, so whatever reaches the registry sees them; plugins register when
+`load_plugins` imports them.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+import titanite.kernels.reference_ops as reference_ops
 from titanite.errors import UserError, did_you_mean
-from titanite.kernels import reference_ops
 
 log = logging.getLogger("titanite")
 
@@ -142,7 +147,6 @@ def unregister(op: str, name: str) -> None:
 
 def implementations(op: str) -> dict[str, Impl]:
     """name -> Impl for `op`, the reference first."""
-    _ensure_builtins()
     check_op(op)
     return dict(_IMPLS[op])
 
@@ -172,17 +176,6 @@ def resolve(op: str, name: str, device_type: str, dtype: torch.dtype, fallback: 
                         f"to use the reference instead")
     log.warning("%s; using the reference (kernels.fallback = true)", msg)
     return get(op, REFERENCE)
-
-
-_builtins_loaded = False
-
-
-def _ensure_builtins() -> None:
-    """Register the built-in implementations on first use (they import optional packages lazily)."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        from titanite.kernels import builtin  # noqa: F401  (registers on import)
 
 
 for _op, (_ref, _) in OPS.items():

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from titanite.kernels import registry
+import titanite.kernels.registry as registry
 from titanite.kernels.cases import Case, verify_cases
 
 # Smallest tolerance per dtype (relative to the output's largest magnitude): a few units of

@@ -1,35 +1,16 @@
 """MoE routing telemetry and the auxiliary load-balancing loss, shared by both backends.
 
-Each MoE layer's forward leaves a `RoutingRecord`; the backend turns the records into the
-auxiliary loss (transformers' `load_balancing_loss_func` math) and the expert-load stats logged
-to metrics.jsonl. Both backends record it from their `moe.router` call (the transformers
-backend's router runs the op too, see kernels/hf.py).
+Each MoE layer's forward leaves a `RoutingRecord` (`kernels/routing.py`, recorded at the
+`moe.router` call site: the native router's and, through kernels/hf.py, transformers'); the
+backend turns the records into the auxiliary loss (transformers' `load_balancing_loss_func` math)
+and the expert-load stats logged to metrics.jsonl.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-
-@dataclass
-class RoutingRecord:
-    """What one MoE layer's last forward leaves for the auxiliary loss and the load telemetry."""
-
-    counts: torch.Tensor  # [E] int64 rows routed to each expert (no grad)
-    prob_sum: torch.Tensor  # [E] fp32 router probability summed over tokens (carries grad)
-    num_tokens: int
-
-
-def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """topk_ids: [T, k] int64 -> rows per expert, int64 [E]. Sort + searchsorted: deterministic,
-    no atomics and no host sync on any device."""
-    sorted_ids = torch.sort(topk_ids.flatten()).values
-    bounds = torch.arange(1, num_experts + 1, device=topk_ids.device, dtype=sorted_ids.dtype)
-    ends = torch.searchsorted(sorted_ids, bounds)
-    return torch.diff(ends, prepend=ends.new_zeros(1))
+from titanite.kernels.routing import RoutingRecord
 
 
 def load_balancing_loss(records: list[RoutingRecord], num_experts: int) -> torch.Tensor:

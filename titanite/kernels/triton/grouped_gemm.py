@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titanite.kernels.triton import interpreting
+from titanite.kernels.triton.availability import interpreting
 
 # The interpreter cannot autotune; small fixed tiles keep it quick and exercise edge tiles.
 _INTERPRETER_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from titanite.kernels.registry import register
 from titanite.kernels.torch_impls import compute_dtype
-from titanite.kernels.triton import COMPILED_ON, INTERPRETED_ON, unavailable, unavailable_dot
+from titanite.kernels.triton.availability import COMPILED_ON, INTERPRETED_ON, unavailable, unavailable_dot
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _DEVICES = COMPILED_ON + INTERPRETED_ON  # interpreted: only under TRITON_INTERPRET=1 (see `unavailable`)
@@ -25,7 +25,7 @@ _DEVICES = COMPILED_ON + INTERPRETED_ON  # interpreted: only under TRITON_INTERP
 
 @torch.library.custom_op("titanite::rms_norm_triton", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    from titanite.kernels.triton import norm_act
+    import titanite.kernels.triton.norm_act as norm_act
 
     D = x.shape[-1]
     y, rstd = norm_act.rms_norm_fwd(x.reshape(-1, D).contiguous(), weight.contiguous(), eps,
@@ -41,7 +41,7 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("titanite::rms_norm_triton_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    from titanite.kernels.triton import norm_act
+    import titanite.kernels.triton.norm_act as norm_act
 
     D = x.shape[-1]
     dx, dw = norm_act.rms_norm_bwd(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),
@@ -79,7 +79,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @torch.library.custom_op("titanite::swiglu_triton", mutates_args=())
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    from titanite.kernels.triton import norm_act
+    import titanite.kernels.triton.norm_act as norm_act
 
     return norm_act.swiglu_fwd(gate.contiguous(), up.contiguous())
 
@@ -91,7 +91,7 @@ def _(gate, up):
 
 @torch.library.custom_op("titanite::swiglu_triton_backward", mutates_args=())
 def _swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    from titanite.kernels.triton import norm_act
+    import titanite.kernels.triton.norm_act as norm_act
 
     return norm_act.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous())
 
@@ -126,7 +126,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 @torch.library.custom_op("titanite::moe_experts_triton", mutates_args=())
 def _experts(x: Tensor, offsets: Tensor, w_gate_up: Tensor, w_down: Tensor, keep_gu: bool) -> tuple[Tensor, Tensor]:
-    from titanite.kernels.triton import grouped_gemm
+    import titanite.kernels.triton.grouped_gemm as grouped_gemm
 
     return grouped_gemm.experts_fwd(x.contiguous(), offsets, w_gate_up, w_down, keep_gu)
 
@@ -140,7 +140,7 @@ def _(x, offsets, w_gate_up, w_down, keep_gu):
 @torch.library.custom_op("titanite::moe_experts_triton_backward", mutates_args=())
 def _experts_backward(dy: Tensor, x: Tensor, offsets: Tensor, w_gate_up: Tensor, w_down: Tensor,
                       gu: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    from titanite.kernels.triton import grouped_gemm
+    import titanite.kernels.triton.grouped_gemm as grouped_gemm
 
     return grouped_gemm.experts_bwd(dy.contiguous(), x.contiguous(), offsets, w_gate_up, w_down, gu)
 

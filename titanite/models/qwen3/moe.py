@@ -31,7 +31,7 @@ from torch import nn
 
 from titanite import kernels
 from titanite.errors import UserError
-from titanite.models.moe_stats import RoutingRecord, expert_counts
+from titanite.kernels.routing import RoutingRecord, expert_counts
 
 
 class TopKRouter(nn.Module):

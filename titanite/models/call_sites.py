@@ -10,6 +10,10 @@ in float64. Errors are norm-wise: |loss - oracle| / |oracle| and, over all param
 together, ||grad - oracle|| / ||oracle||. The implementation passes when both are within twice
 the error of the all-reference model in the same dtype, or the dtype floor (the rule of
 `kernels verify`). bf16 / fp16 run as training runs them: autocast over fp32 weights.
+
+It lives in the model layer because it builds and drives models (`get_spec`, the handle); the
+kernels command (`kernels/cli.py`) receives it from `titanite.cli`, so the kernel layer imports
+nothing of `titanite.models`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-from titanite.kernels import registry
+import titanite.kernels.registry as registry
+from titanite.config import KernelsConfig, ModelConfig
 from titanite.kernels.verify import FLOORS, Row, _oracle_dtype, selected, skip_row
+from titanite.models.spec import get_spec
 
 # Every op has call sites here: layers 0 and 2 sparse (router, dispatch, experts), layer 1
 # dense (swiglu); untied head (the loss op on its own module).
@@ -50,9 +56,6 @@ class _Model:
     """One model of the backend, rebuilt per run from the same fp32 weights."""
 
     def __init__(self, spec: str, device: torch.device) -> None:
-        from titanite.config import ModelConfig
-        from titanite.models.spec import get_spec
-
         self._folder = tempfile.TemporaryDirectory(prefix="titanite-call-sites-")
         Path(self._folder.name, "config.json").write_text(json.dumps(_ARCH))
         self.spec, self.device = spec, device
@@ -66,8 +69,6 @@ class _Model:
         """([loss], parameter grads) of one training forward + backward, computed in `dtype` as a
         run computes: fp32 and float64 weights as they are; bf16 / fp16 as autocast over fp32
         weights (`training.mixed_precision`)."""
-        from titanite.config import KernelsConfig
-
         handle = self._build()
         module = handle.module
         module.to_empty(device=self.device)
