@@ -15,7 +15,7 @@
    keeps of freed memory (titanite keeps freed host memory on CPU, titanite.device). Both runs
    start from the same weights and batches, and LoRA's B starts at zero, so their first losses
    must agree (printed).
-2. Estimated: `titanite estimate`'s memory per rank (titanite/estimate.py, in-process) for
+2. Estimated: `titanite estimate`'s memory per rank (titanite.plan.estimate, in-process) for
    Qwen3-4B and Qwen3-30B-A3B (titanite's named flavors, written as config.json into a temporary
    folder: the estimate reads no weights), full fine-tune against LoRA with the frozen base in
    fp32 and in bf16, on 1 and 8 ranks (FSDP), at batch 1 x 2048 tokens, mixed_precision bf16,
@@ -215,9 +215,9 @@ def measure(args: argparse.Namespace) -> None:
 
 def estimate_rows(args: argparse.Namespace) -> None:
     from titanite.config import load_config
-    from titanite.estimate import estimate
     from titanite.models.qwen3.args import to_hf_config
     from titanite.models.qwen3.flavors import get_flavor
+    from titanite.plan import estimate
 
     logging.getLogger("titanite").setLevel(logging.WARNING)
     common = {"data.seq_len": 2048, "training.batch_size": 1, "training.mixed_precision": "bf16",
@@ -226,7 +226,7 @@ def estimate_rows(args: argparse.Namespace) -> None:
     runs = {"full fine-tune": {"lora.enabled": "false"},
             "LoRA, base fp32": {"lora.enabled": "true", "lora.base_dtype": "fp32"},
             "LoRA, base bf16": {"lora.enabled": "true", "lora.base_dtype": "bf16"}}
-    print(f"\nestimate (titanite/estimate.py): batch 1 x 2048, mixed_precision bf16, activation_checkpoint full, "
+    print(f"\nestimate (titanite.plan.estimate): batch 1 x 2048, mixed_precision bf16, activation_checkpoint full, "
           f"loss reference; LoRA rank {args.rank}, alpha {args.alpha:g}, all-linear; GiB per rank")
     print("\n| model | run | ranks | trainable params | parameters | gradients | optimizer | activations + "
           "recomputed block | transient | peak per rank | vs full |")
@@ -253,7 +253,7 @@ def estimate_rows(args: argparse.Namespace) -> None:
                           f"{(e.activations + e.recompute) / GIB:.2f} | "
                           f"{e.transient / GIB:.2f} | {e.total / GIB:.2f} | {e.total / full.total:.2f}x |")
     if same_as_full:
-        print("WARNING: a LoRA estimate equals the full fine-tune's: this titanite/estimate.py does not count LoRA")
+        print("WARNING: a LoRA estimate equals the full fine-tune's: this titanite/plan does not count LoRA")
     sys.stdout.flush()
 
 

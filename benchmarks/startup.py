@@ -23,7 +23,7 @@ step of 1 x 64 tokens, no export, a fresh output folder, OMP_NUM_THREADS=1. Meas
   measured by the same wrapper.
 
 Next to each row: the target, and `titanite estimate`'s per-rank figure for the same overrides
-and world size (titanite/estimate.py, in-process), which is for the training step.
+and world size (titanite.plan.estimate, in-process), which is for the training step.
 
 Before each run the free memory (MemAvailable, capped at --max-total-gib) is checked against N
 x a rank's need (measured on N ranks already, else the estimate + 25%), plus 15%. A run that
@@ -293,7 +293,7 @@ def main() -> None:
         return
 
     from titanite.config import load_config
-    from titanite.estimate import estimate
+    from titanite.plan import estimate
 
     print(machine())
     params, largest = count(args)

@@ -147,7 +147,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one(fsdp_run, tied, data):
 
 @pytest.mark.slow
 def test_checkpoint_from_two_ranks_resumes_on_four_with_tensor_parallel(fsdp_run, tied, data):
-    from titanite.estimate import estimate
+    from titanite.plan import estimate
 
     root, ref, run = fsdp_run
     out = resume_dir(run, 2, root / "four")

@@ -9,7 +9,7 @@ end of backward, where the vocabulary matrix's gradients are summed and reduced.
 The estimate may be at most 2% below (small temporaries it leaves out: a block's reduce-scatter
 still in flight) and 2% above. Untied under FSDP, the measured peak may also hold the buffers
 whose lifetime depends on when a collective completes, which the estimate leaves out (the head's
-all-gather output and gloo's clone of its reduce-scatter input; titanite/estimate.py). gloo's own
+all-gather output and gloo's clone of its reduce-scatter input; titanite/plan/phases.py). gloo's own
 buffers, outside torch's allocator, are left out of the estimate here since the profiler cannot
 see them (benchmarks/startup.py --estimate-check measures them in the resident set).
 """
@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import REPO, TINY_MOE, make_hf_checkpoint, tiny_train_args, write_corpus
 from tests.test_distributed import _env
 from titanite.config import load_config
-from titanite.estimate import estimate
+from titanite.plan import estimate
 
 VOCAB = 8192
 SHAPES = {"loss": (64, {"training.batch_size": 4, "data.seq_len": 32}),

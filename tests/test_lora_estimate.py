@@ -8,9 +8,9 @@ import torch
 
 from titanite.config import load_config
 from titanite.errors import UserError
-from titanite.estimate import estimate
-from titanite.estimate import main as estimate_main
-from titanite.estimate_lora import ATTENTION, EXPERTS
+from titanite.plan import estimate
+from titanite.plan import main as estimate_main
+from titanite.plan.lora import ATTENTION, EXPERTS
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
@@ -293,7 +293,7 @@ def test_targets_are_checked_as_training_checks_them(folders, kind, extra, messa
                                          ("moe", ["all-linear"]), ("moe", ["k_proj", "o_proj"])])
 def test_estimated_flops_are_the_trainer_s(folders, kind, names):
     """The estimate's FLOPs per step are what the trainer's MFU counts for the built LoRA model
-    (ModelHandle.flops_per_token, itself checked against torch's FLOP counter in test_lora.py)."""
+    (ModelHandle.flops_per_token, itself checked against torch's FLOP counter in test_lora_training.py)."""
     from titanite.models.spec import get_spec
 
     cfg = _cfg(folders[kind], f"--lora.target_modules={','.join(names)}", "--lora.rank=2")

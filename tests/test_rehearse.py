@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from titanite.config import load_config
-from titanite.estimate import estimate
-from titanite.rehearse import rehearse
+from titanite.plan import estimate
+from titanite.plan.rehearse import rehearse
 
 LAYOUTS = {
     # name: (world size, overrides)

@@ -19,14 +19,25 @@ Reported per rank, in bytes:
 
 from __future__ import annotations
 
+import copy
+import itertools
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 import torch
 
+from titanite.checkpoint.safetensors_io import read_header
+from titanite.checkpoint.sharded import local_part
 from titanite.config import Config, KernelsConfig
-
-GiB = 2**30
+from titanite.errors import UserError
+from titanite.models.spec import get_spec
+from titanite.parallel.distributed import World
+from titanite.parallel.mesh import ParallelDims
+from titanite.parallel.plans import parallelize
+from titanite.plan.counts import GiB
+from titanite.plan.estimator import estimate
+from titanite.preflight import check_layout
 
 
 @dataclass(frozen=True)
@@ -48,8 +59,6 @@ def _checkpoint_bytes(cfg: Config) -> int:
     holding only config.json)."""
     if not cfg.model.hf_path or cfg.model.init == "random":
         return 0
-    from titanite.checkpoint.safetensors_io import read_header
-
     return sum(end - begin for f in sorted(Path(cfg.model.hf_path).glob("*.safetensors"))
                for begin, end in (info["data_offsets"] for info in read_header(f).values()))
 
@@ -57,10 +66,6 @@ def _checkpoint_bytes(cfg: Config) -> int:
 def _start_up(handle) -> tuple[int, int, int]:
     """(elements of the HF layout this rank holds, elements of the whole layout, elements of
     its largest tensor), from the sharded (meta) model."""
-    from math import prod
-
-    from titanite.checkpoint.sharded import local_part
-
     adapter, held, whole, largest, seen = handle.base_adapter(), 0, 0, 0, set()
     for name, t in handle.module.state_dict(keep_vars=True).items():
         if id(t) in seen or adapter.skips(name):
@@ -78,12 +83,6 @@ def rehearse_rank(cfg: Config, world_size: int, rank: int) -> RankFigures:
     """One rank of `world_size`, under a fake process group started (and torn down) here."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from titanite.models.spec import get_spec
-    from titanite.parallel.distributed import World
-    from titanite.parallel.mesh import ParallelDims
-    from titanite.parallel.plans import parallelize
-    from titanite.preflight import check_layout
 
     dims = ParallelDims.resolve(cfg.parallelism, world_size)
     handle = get_spec(cfg.model.spec).build(cfg.model)
@@ -136,12 +135,6 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
     """The first layout of `world_size` ranks whose estimated training peak fits `device_gib`:
     tensor parallel 1, 2, 4, 8, then (MoE) expert parallel over the sharded ranks, then full
     activation checkpointing; None when none does."""
-    import copy
-    import itertools
-
-    from titanite.errors import UserError
-    from titanite.estimate import estimate
-
     moe = bool(_num_experts(cfg))
     for ac, tp, ep in itertools.product((cfg.parallelism.activation_checkpoint, "full"), (1, 2, 4, 8),
                                         (1, 2, 4, 8, 16, 32, 64) if moe else (1,)):
@@ -159,8 +152,6 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
 
 
 def _num_experts(cfg: Config) -> int:
-    from titanite.models.spec import get_spec
-
     return get_spec(cfg.model.spec).build(cfg.model).args.num_experts or 0
 
 

@@ -1,6 +1,6 @@
 """The peak of a step, moment by moment: what `titanite estimate` reports as its peak.
 
-The parts titanite/estimate.py counts (states, activations, transients) are not all alive at
+The parts titanite/plan/counts.py counts (states, activations, transients) are not all alive at
 once, so the peak is the largest of four moments of a step (`Estimate.phases`), each counted
 from what the step holds then (gradients are set to None after every step, so backward starts
 without them):
@@ -28,23 +28,20 @@ tests/test_estimate_peak.py holds the phases to the peak torch allocates in a re
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from titanite.config import Config
-    from titanite.estimate import Tensor
-    from titanite.models.qwen3.args import Qwen3Args
-    from titanite.parallel.mesh import ParallelDims
+from titanite.config import Config
+from titanite.kernels.chunked_loss import chunk_rows
+from titanite.models.qwen3.args import Qwen3Args
+from titanite.parallel.mesh import ParallelDims
+from titanite.plan.counts import Tensor
 
 
 def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], tokens: int, keeps_logits: bool,
                 memory: list[float], block_grads: int, on_gloo: bool, gloo_buffers: bool) -> dict[str, float]:
     """The peak bytes per rank at each of a step's heaviest moments (the module docstring says
     what each holds). `top`: the vocabulary matrices as a rank holds them before FSDP; `memory`:
-    [params, grads, optimizer, activations, recompute, transient] as _full_memory counts them;
+    [params, grads, optimizer, activations, recompute, transient] as estimator._full_memory counts them;
     `block_grads`: the largest block's unsharded gradient elements."""
-    from titanite.kernels.chunked_loss import chunk_rows
-
     params, grads, optimizer, kept, recompute, transient = memory
     c = 2 if cfg.training.mixed_precision == "bf16" else 4  # the compute copy and its gradients
     vocab = top[0].numel  # the embedding (and, tied, the head), this rank's tensor-parallel part

@@ -1,4 +1,4 @@
-"""LoRA's share of `titanite estimate` (see titanite/estimate.py for the rest).
+"""LoRA's share of `titanite estimate` (titanite/plan/counts.py and estimator.py count the rest).
 
 A LoRA run (`[lora] enabled`) holds, per rank:
 - the frozen base: every base parameter stored in `lora.base_dtype`, sharded as in a full
@@ -37,10 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanite.config import Config, LoraConfig
-from titanite.estimate import Tensor, _layer_tensors, _sharded, _top_tensors, activation_bytes, fsdp_transient
+from titanite.lora import check_dropout, chosen_targets
+from titanite.models.flops import lora_flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
+from titanite.plan.counts import Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -102,8 +104,6 @@ def projections(a: Qwen3Args, i: int) -> list[Projection]:
 def lora_targets(a: Qwen3Args, lo: LoraConfig) -> set[str]:
     """The target names of `lora.target_modules` on this model, checked as training checks them
     (titanite.lora): 'all-linear' is every projection it has (not the head, not the router)."""
-    from titanite.lora import check_dropout, chosen_targets
-
     targets = chosen_targets(lo, {p.name for i in range(a.num_layers) for p in projections(a, i)})
     check_dropout(lo, targets)
     return targets
@@ -138,8 +138,6 @@ def adapter_params(a: Qwen3Args, lo: LoraConfig, targets: set[str]) -> int:
 def flops_per_token(a: Qwen3Args, lo: LoraConfig, seq_len: int) -> float:
     """Training FLOPs per token of the LoRA run, as the trainer's MFU counts them
     (titanite.models.flops.lora_flops_per_token)."""
-    from titanite.models.flops import lora_flops_per_token
-
     targets = lora_targets(a, lo)
     linear = sum(p.adapter_params(lo.rank) for i in range(a.num_layers) for p in adapted(a, i, targets)
                  if not p.experts)
@@ -154,7 +152,7 @@ def activation_elems(a: Qwen3Args, i: int, lo: LoraConfig, targets: set[str], ac
     of the full fine-tune's count (negative where the frozen base keeps less): the dense
     adapters' own values, less `frozen_elems` without checkpointing. Expert adapters keep no
     per-token values of their own (their effective weights: `expert_stack_elems`). `tp`, `sp`:
-    as for estimate.layer_activation_elems. A's output is [r] on every tp rank for every token
+    as for counts.layer_activation_elems. A's output is [r] on every tp rank for every token
     of the micro-batch (a column-parallel linear reads the gathered sequence; a row-parallel
     one's is a partial sum over the ranks, full r wide), so only B's output and the frozen
     values shrink with tp."""
@@ -180,7 +178,7 @@ def frozen_elems(a: Qwen3Args, i: int, lo: LoraConfig, targets: set[str], tp: in
     keeps it), nor, in block 0, its input and rsqrt (the frozen embedding's output needs no
     gradient). An upper bound still: block 0 keeps less again where its attention adapters
     leave paths out (a k_proj without adapter needs no k_norm values there).
-    Under tp, with the shapes of estimate.layer_activation_elems: the block norms' values and
+    Under tp, with the shapes of counts.layer_activation_elems: the block norms' values and
     block 0's input are this rank's share of the residual stream (1/tp with `sp`), the q/k
     norms' and the dense down projection's input are split with the heads and the MLP, and the
     attention, MLP and router inputs are the gathered (whole) norm outputs; the MoE block is
@@ -229,12 +227,12 @@ def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Te
     lo, ac = cfg.lora, cfg.parallelism.activation_checkpoint
     targets = lora_targets(a, lo)
     adapters = [layer_adapter_tensors(a, i, lo, targets, d.tp, d.ep) for i in range(a.num_layers)]
-    base_local = _sharded([x for layer in layers for x in layer] + top, d)
-    adapter_local = _sharded([x for layer in adapters for x in layer], d)
+    base_local = sharded([x for layer in layers for x in layer] + top, d)
+    adapter_local = sharded([x for layer in adapters for x in layer], d)
     base_dtype_bytes = 2 if lo.base_dtype == "bf16" else 4
     compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4
-    whole_base = sum(x.numel for i in range(a.num_layers) for x in _layer_tensors(a, i, 1, 1))
-    counts = LoraParams(whole_base + sum(x.numel for x in _top_tensors(a, 1)), adapter_params(a, lo, targets),
+    whole_base = sum(x.numel for i in range(a.num_layers) for x in layer_tensors(a, i, 1, 1))
+    counts = LoraParams(whole_base + sum(x.numel for x in top_tensors(a, 1)), adapter_params(a, lo, targets),
                         base_local * base_dtype_bytes, adapter_local * 4.0, lo.base_dtype,
                         any(name in targets for name in EXPERTS))
     adapter_blocks = [sum(x.numel for x in layer) for layer in adapters]

@@ -1,0 +1,24 @@
+"""The planner: memory per rank and FLOPs per step for a config's parallel layout, before renting
+the machines, and the rehearsal of the real parallel plan on the meta device.
+
+Two entry points:
+- `estimate(cfg, world_size, ...) -> Estimate`, for code (the trainer's side, benchmarks, tests);
+- `main(argv)`, the `titanite estimate` command.
+
+The modules, each importing only those listed before it:
+- `counts.py`: the counting rules every part shares (parameter tensors per rank, FSDP's
+  sharding and transients, activations per block);
+- `phases.py`: the peak of a step, moment by moment;
+- `lora.py`: a LoRA run's share (frozen base, adapters, their activations);
+- `estimator.py`: `Estimate` and `estimate()`, which puts the parts together;
+- `report.py`: the estimate as printed;
+- `rehearse.py`: `--rehearse`, the real plan under a fake process group, and a layout that fits;
+- `cli.py`: the command line (world size, the accelerator planned for, --device-memory-gib).
+"""
+
+from __future__ import annotations
+
+from titanite.plan.cli import main
+from titanite.plan.estimator import Estimate, estimate
+
+__all__ = ["Estimate", "estimate", "main"]

@@ -1,0 +1,109 @@
+"""The estimate of a config's layout: memory per rank and FLOPs per step, before renting the
+machines.
+
+The parts are counted by titanite/plan/counts.py (parameters, gradients, optimizer,
+activations, transients). They are not all alive at once: the peak is the largest of four
+moments of a step, counted by titanite/plan/phases.py (`Estimate.phases`).
+On CPU the trainer hands freed memory back when several ranks share the host
+(titanite.device.set_host_memory_policy), so the resident set follows these counts; a single
+process keeps freed memory for speed, and its heap holds some fragmentation on top.
+
+A LoRA run (`[lora] enabled`) is counted by titanite/plan/lora.py: the frozen base in
+lora.base_dtype with no gradients or optimizer state, fp32 adapters with both, and the adapters'
+own activations and transients on top of the full fine-tune's; its peak is the same phases, with
+no vocabulary gradients (the head and the embedding stay frozen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titanite.config import Config
+from titanite.device import is_host, pick_device
+from titanite.models.flops import flops_per_token
+from titanite.models.handle import ActivationProfile
+from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.spec import get_spec
+from titanite.parallel.mesh import ParallelDims
+from titanite.plan.counts import Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors
+from titanite.plan.lora import LoraParams, lora_memory
+from titanite.plan.lora import flops_per_token as lora_flops
+from titanite.plan.phases import step_phases
+from titanite.preflight import check_layout, choose_loss
+
+
+@dataclass
+class Estimate:
+    dims: ParallelDims
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # kept at the end of forward
+    recompute: float  # one block's activations rebuilt in backward (checkpointing only)
+    transient: float
+    flops_per_step: float  # per rank, training (forward + backward + recomputation)
+    tokens_per_step: int  # global
+    lora: LoraParams | None = None  # a LoRA run's parameter counts (params = its base + adapters)
+    phases: dict[str, float] = field(default_factory=dict)  # the peak of each moment of a step
+
+    @property
+    def total(self) -> float:
+        """The peak per rank: the largest phase."""
+        return max(self.phases.values())
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
+             profile: ActivationProfile | None = None, on_gloo: bool | None = None,
+             gloo_buffers: bool = True) -> Estimate:
+    """The estimate for `cfg` on `world_size` ranks. The config's model is built on the meta
+    device and its layout checked as training checks it; `args` (another architecture, for
+    what-if estimates) and `profile` override what that model says. `on_gloo`: whether the
+    collectives run on gloo (CPU training; default: whether job.device resolves to the CPU here);
+    `gloo_buffers`: then count the buffers gloo allocates outside torch's allocator too."""
+    d = ParallelDims.resolve(cfg.parallelism, world_size)
+    handle = get_spec(cfg.model.spec).build(cfg.model)
+    check_layout(d, handle)
+    args = args or handle.args
+    if profile is None:
+        kernels_cfg = choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True)
+        profile = handle.activation_profile(kernels_cfg, d.tp)
+    a, t = args, cfg.training
+    layers = [layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
+    top = top_tensors(a, d.tp)
+    tokens = t.batch_size * cfg.data.seq_len
+    if cfg.lora.enabled:
+        memory, lora = lora_memory(cfg, a, d, layers, top, tokens, profile)
+    else:
+        memory, lora = _full_memory(cfg, a, d, layers, top, tokens, profile), None
+    global_tokens = (t.global_batch_size or t.batch_size * d.dp) * cfg.data.seq_len
+    if cfg.lora.enabled:
+        per_token = lora_flops(a, cfg.lora, cfg.data.seq_len)
+    else:
+        per_token = flops_per_token(a, cfg.data.seq_len)
+    flops = per_token * global_tokens / world_size
+    if cfg.parallelism.activation_checkpoint == "full":
+        flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
+    if on_gloo is None:
+        on_gloo = is_host(pick_device(cfg.job.device))
+    block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
+
+    phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers)
+    return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases)
+
+
+def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],
+                 tokens: int, profile: ActivationProfile) -> list[float]:
+    """[params, grads, optimizer, activations, recompute, transient] bytes per rank of a full fine-tune."""
+    local = sharded([x for layer in layers for x in layer] + top, d)
+    compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4  # the copy FSDP gathers, the values
+    unsharded = [sum(x.numel for x in layer) for layer in layers]
+    transient = fsdp_transient(d, a, unsharded, top, unsharded, compute_bytes)
+    if d.dp == 1 and compute_bytes == 2:  # autocast's bf16 copies of the weights, kept for backward
+        transient += 2.0 * local
+    kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
+                                       profile.keeps_logits, compute_bytes, sp=profile.sequence_parallel)
+    return [local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient]
