@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import TINY_MOE, make_hf_checkpoint, read_metrics, tiny_train_args
 from tests.device_runs import assert_same_losses, on_tdev, torchrun_on_tdev, train_on_cpu, train_on_tdev
+from tests.reliability_fixtures import _corrupt_flip
 from tests.test_distributed import assert_same_export, torchrun
-from tests.test_reliability import _corrupt_flip
 
 STEPS = 6
 
