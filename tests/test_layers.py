@@ -1,25 +1,26 @@
-"""The layers point one way (docs/architecture.md): nothing the model layer imports, directly or
-through other titanite modules, reaches the parallel layer, the trainer or torch.distributed.
-And only the device layer (titanite/device.py) names torch.cuda or compares a device-type string,
-so every native PyTorch device (CPU, CUDA, neuron, ...) shares one code path.
+"""The layers point one way (docs/architecture.md), read from the source: every import statement,
+function-level and TYPE_CHECKING ones included, not what happens to be imported at test time.
 
-The import graph is read from the source (every import statement, function-level ones included),
-not from what happens to be imported at test time.
+- No import circle among titanite's modules.
+- Each module imports only what its layer may (LAYERS below: docs/architecture.md's table as
+  data); every module belongs to a layer.
+- Nothing the model layer imports, directly or through other titanite modules, reaches the
+  parallel layer, the trainer or torch.distributed.
+
+Each rule has a companion test showing that its check can fail. The device rules (torch.cuda,
+device-type strings) are in test_device_layer.py.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.conftest import REPO
 
 PACKAGE = REPO / "titanite"
 FORBIDDEN_FOR_MODELS = ("titanite.parallel", "titanite.trainer", "torch.distributed")
-DEVICE_LAYER = PACKAGE / "device.py"
-# Device-type names no code outside the device layer may compare against ("tdev": the test device).
-DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "meta", "hpu", "neuron", "mtia", "privateuseone", "tdev"})
 
 
 def _module_name(path: Path) -> str:
@@ -114,129 +115,150 @@ def test_no_import_cycle_between_the_spec_registry_and_the_backends():
         assert "titanite.models.spec" not in reachable(backend, graph)
 
 
-# -- Only the device layer names an accelerator --------------------------------------------------
+# -- module edges: what each import statement really uses --------------------------------------
 
 
-def _outside_the_device_layer() -> list[Path]:
-    files = sorted(p for p in PACKAGE.rglob("*.py") if p != DEVICE_LAYER)
-    assert DEVICE_LAYER.exists() and len(files) > 50  # the walk sees the package, not an empty folder
-    return files
+def _deepest(name: str, modules: set[str]) -> str | None:
+    parts = name.split(".")
+    return next((m for m in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if m in modules), None)
 
 
-def _where(source: str, filename: str, node: ast.AST) -> str:
-    return f"{filename}:{node.lineno}: {ast.get_source_segment(source, node)}"
+def module_edges() -> dict[str, set[str]]:
+    """titanite module -> the titanite modules it imports. `from a import b` is an edge to `a.b`
+    when that is a module, else to `a` (the package whose `__init__` holds `b`): importing a
+    submodule also runs its parent packages, but that is Python's order of execution, not a
+    dependency of the importer, and counting it would tie every package to its own `__init__`."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    edges: dict[str, set[str]] = {}
+    for module, path in files.items():
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(_deepest(alias.name, modules) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = next(name for stmt, name in _imported(node, _package(path)) if stmt is node)
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in modules else _deepest(base, modules))
+        edges[module] = {m for m in found if m is not None and m != module}
+    return edges
 
 
-def _line(source: str, filename: str, node: ast.AST) -> str:
-    return f"{filename}:{node.lineno}: {source.splitlines()[node.lineno - 1].strip()}"
+# -- no import circle ----------------------------------------------------------------------------
 
 
-def _dotted(node: ast.AST) -> str:
-    """`a.b.c` for a chain of attributes on a name, else ''."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(found)
 
 
-def torch_cuda_uses(source: str, filename: str) -> list[str]:
-    """`file:line: line` for each line that imports torch.cuda (`import torch.cuda`, `from torch
-    import cuda`, `from torch.cuda import x`) or reaches an attribute through torch.cuda, also where
-    torch is imported under another name."""
-    tree = ast.parse(source, filename)
-    torch_names = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                   for alias in node.names if alias.name == "torch"}
-    found = [node for node, name in _imported(tree, package="")  # torch.cuda is never a relative import
-             if name == "torch.cuda" or name.startswith("torch.cuda.")]
-    found += [node for node in ast.walk(tree)
-              if isinstance(node, ast.Attribute) and node.attr == "cuda" and _dotted(node.value) in torch_names]
-    return [where for _, where in sorted({(node.lineno, _line(source, filename, node)) for node in found})]
+def test_no_import_circle_among_titanites_modules():
+    edges = module_edges()
+    assert "titanite.kernels.registry" in edges and len(edges) > 100
+    found = circles(edges)
+    assert not found, "import circles (each a set of modules that import one another):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
 
 
-def _device_names(node: ast.AST) -> list[str]:
-    """The device types a comparison operand spells: a string constant ("cuda", "cuda:0") or a
-    tuple / list / set of them."""
-    elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
-    values = [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-    return [v for v in values if v.split(":")[0] in DEVICE_TYPES]
+def test_the_circle_check_finds_a_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a"}, "f": {"g"}, "g": {"f"}}
+    assert circles(edges) == [["a", "b", "c"], ["f", "g"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
 
 
-_COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+# -- the layer table -------------------------------------------------------------------------------
+
+# docs/architecture.md's layer table as data, bottom up. layer: (its modules: names or packages,
+# what it may import besides itself: layers or modules).
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "foundation": (("titanite.config", "titanite.config_schema", "titanite.config_checks", "titanite.errors",
+                    "titanite.files"), ()),
+    "device": (("titanite.device", "titanite.accelerators"), ("foundation",)),
+    "kernels": (("titanite.kernels",), ("foundation",)),
+    "formats": (("titanite.checkpoint.safetensors_io", "titanite.checkpoint.safetensors_stream",
+                 "titanite.checkpoint.hf_weights", "titanite.checkpoint.sharded", "titanite.checkpoint.manifest",
+                 "titanite.checkpoint.dcp_safe"), ("foundation",)),
+    "model": (("titanite.models", "titanite.lora"), ("kernels", "formats", "foundation")),
+    "parallel": (("titanite.parallel",), ("model", "kernels", "formats", "device", "foundation")),
+    "data": (("titanite.data",), ("titanite.kernels.reference_ops", "foundation")),
+    "state": (("titanite.checkpoint",), ("parallel", "formats", "device", "foundation")),
+    "run": (("titanite.preflight", "titanite.trainer", "titanite.eval", "titanite.optim", "titanite.metrics",
+             "titanite.runlock", "titanite.plan"),
+            ("state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
+    "commands": (("titanite", "titanite.cli", "titanite.train", "titanite.api", "titanite.export",
+                  "titanite.generate", "titanite.device_check", "titanite.plot"),
+                 ("run", "state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
+}
+# Single modules allowed more than their layer: the kernel tools that run ops on a device.
+EXTRA = {"titanite.kernels.cli": ("device",), "titanite.kernels.bench": ("device",)}
 
 
-def device_string_comparisons(source: str, filename: str) -> list[str]:
-    """`file:line: source` for each comparison (==, !=, in, not in, is, is not; also a `case`
-    pattern) with a device-type string on either side. Declarations such as
-    `register(..., devices=("cpu", "cuda"))` or `torch.device("meta")` compare nothing."""
+def _owner(module: str, layers: dict) -> str | None:
+    """The layer of `module`: the one naming it or its longest enclosing package."""
+    best, length = None, -1
+    for layer, (members, _) in layers.items():
+        for m in members:
+            if (module == m or module.startswith(m + ".")) and len(m) > length:
+                best, length = layer, len(m)
+    return best
+
+
+def layer_violations(edges: dict[str, set[str]], layers: dict, extra: dict) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-            if any(isinstance(op, _COMPARISONS) and (_device_names(a) or _device_names(b))
-                   for op, a, b in zip(node.ops, operands, operands[1:])):
-                found.append((node.lineno, _where(source, filename, node)))
-        elif isinstance(node, ast.MatchValue) and _device_names(node.value):
-            found.append((node.lineno, _where(source, filename, node)))
-    return [where for _, where in sorted(found)]
+    for module in sorted(edges):
+        layer = _owner(module, layers)
+        if layer is None:
+            found.append(f"{module} is in no layer of the table")
+            continue
+        allowed = (*layers[layer][1], *extra.get(module, ()))
+        for target in sorted(edges[module]):
+            there = _owner(target, layers)
+            ok = there == layer or there in allowed or any(target == a or target.startswith(a + ".") for a in allowed)
+            if not ok:
+                found.append(f"{module} ({layer}) imports {target} ({there}), which its layer may not")
+    return found
 
 
-def _check_package(check: Callable[[str, str], list[str]]) -> list[str]:
-    return [where for path in _outside_the_device_layer()
-            for where in check(path.read_text(), str(path.relative_to(REPO)))]
+def test_every_module_imports_only_what_its_layer_may():
+    violations = layer_violations(module_edges(), LAYERS, EXTRA)
+    assert not violations, "\n".join(violations)
 
 
-def test_nothing_outside_the_device_layer_names_torch_cuda():
-    violations = _check_package(torch_cuda_uses)
-    assert not violations, "torch.cuda outside titanite/device.py (ask titanite.device):\n" + "\n".join(violations)
-
-
-def test_nothing_outside_the_device_layer_compares_a_device_type_string():
-    violations = _check_package(device_string_comparisons)
-    assert not violations, ("a device-type string compared outside titanite/device.py (ask a predicate there, "
-                            "e.g. device.is_host):\n" + "\n".join(violations))
-
-
-def test_the_torch_cuda_check_reports_each_use_with_file_and_line():
-    source = """import torch
-import torch as T
-import torch.cuda
-from torch import cuda, nn
-from torch.cuda import amp
-
-ok = torch.accelerator.is_available() and torch.device("cuda")
-n = torch.cuda.device_count()
-T.cuda.synchronize()
-"""
-    assert torch_cuda_uses(source, "titanite/fake.py") == [
-        "titanite/fake.py:3: import torch.cuda",
-        "titanite/fake.py:4: from torch import cuda, nn",
-        "titanite/fake.py:5: from torch.cuda import amp",
-        "titanite/fake.py:8: n = torch.cuda.device_count()",
-        "titanite/fake.py:9: T.cuda.synchronize()"]
-
-
-def test_the_device_string_check_reports_each_comparison_with_file_and_line():
-    source = """import torch
-
-@register("rms_norm", "fast", devices=("cpu", "cuda"))
-def f(x, device, device_type, name):
-    w = torch.empty(3, device="meta")
-    if name == "float32" or device_type in SUPPORTED:
-        return x
-    big = device.type != "cpu"
-    if device_type not in ("cuda", "xpu"):
-        return str(device) == "cuda:0"
-    if "tdev" == device.type or device_type is "mps":
-        pass
-    match device_type:
-        case "neuron":
-            pass
-"""
-    assert device_string_comparisons(source, "titanite/fake.py") == [
-        'titanite/fake.py:8: device.type != "cpu"',
-        'titanite/fake.py:9: device_type not in ("cuda", "xpu")',
-        'titanite/fake.py:10: str(device) == "cuda:0"',
-        'titanite/fake.py:11: "tdev" == device.type',
-        'titanite/fake.py:11: device_type is "mps"',
-        'titanite/fake.py:14: "neuron"']
+def test_the_layer_check_names_each_violation():
+    layers = {"low": (("pkg.low",), ()), "high": (("pkg.high",), ("low",)), "side": (("pkg.side",), ("pkg.low.x",))}
+    edges = {"pkg.low.a": {"pkg.high.b"}, "pkg.high.b": {"pkg.low.a"}, "pkg.side": {"pkg.low.x", "pkg.low.a"},
+             "pkg.stray": set()}
+    assert layer_violations(edges, layers, {}) == [
+        "pkg.low.a (low) imports pkg.high.b (high), which its layer may not",
+        "pkg.side (side) imports pkg.low.a (low), which its layer may not",
+        "pkg.stray is in no layer of the table",
+    ]
+    assert layer_violations({"pkg.low.a": {"pkg.high.b"}}, layers, {"pkg.low.a": ("high",)}) == []
