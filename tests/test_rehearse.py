@@ -7,14 +7,17 @@ The rehearsal starts and destroys its own fake process group, so these run in th
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from tests.conftest import REPO, run_cli
 from titanite.config import load_config
+from titanite.models.qwen3.args import to_hf_config
+from titanite.models.qwen3.flavors import get_flavor
 from titanite.plan import estimate
-from titanite.plan.rehearse import rehearse
+from titanite.plan.rehearse import fitting_layout, rehearse
 
 LAYOUTS = {
     # name: (world size, overrides)
@@ -100,3 +103,15 @@ def test_rehearse_command_names_a_layout_that_fits():
     assert re.search(r"rehearsal / estimate: parameters 1\.0\d\d, gradients 1\.0\d\d, optimizer 1\.0\d\d", out), out
     assert "does not fit 80 GiB; this layout would: " in out
     assert "does not start on" not in out  # start-up holds the shards and one tensor, not the model
+
+
+@pytest.mark.parametrize("gib", [1.0, 40.0])
+def test_a_suggested_layout_is_one_the_config_accepts(tmp_path, gib):
+    """LoRA with dropout refuses tensor parallelism: the search passes over tp > 1 instead of
+    failing on it, and names only a tp = 1 layout (or none). The 4B base is its config.json."""
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(get_flavor("4B"))))
+    cfg = load_config(str(REPO / "configs" / "qwen3-4b-instruct-2507-lora.toml"), [f"--model.hf_path={tmp_path}"])
+    assert cfg.lora.dropout > 0
+    found = fitting_layout(cfg, 8, gib)
+    assert (found is None) == (gib == 1.0), found
+    assert found is None or ", tp = 1, " in found

@@ -30,6 +30,7 @@ import torch
 from titanite.checkpoint.safetensors_io import read_header
 from titanite.checkpoint.sharded import local_part
 from titanite.config import Config, KernelsConfig
+from titanite.config_checks import validate_lora
 from titanite.errors import UserError
 from titanite.models.spec import get_spec
 from titanite.parallel.distributed import World
@@ -142,8 +143,9 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
         p = trial.parallelism
         p.activation_checkpoint, p.tp, p.ep, p.dp_shard, p.dp_replicate = ac, tp, ep, -1, 1
         try:
+            validate_lora(trial)  # LoRA refuses some layouts (lora.dropout with tp > 1): no answer
             total = estimate(trial, world_size, on_gloo=on_gloo).total
-        except UserError:  # degrees that do not divide the world or the model
+        except UserError:  # degrees the config refuses, or that do not divide the world or the model
             continue
         if total / GiB <= device_gib:
             return (f"dp_shard = {world_size // tp}, tp = {tp}, ep = {ep}, activation_checkpoint = '{ac}' "
