@@ -22,6 +22,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # Token stores (data.cache_dir's default) and the measured CPU peak go to one folder per test
 # session, inherited by every process a test starts, never to the user's ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="titanite-tests-cache-")
+# W&B's system monitor (wandb-symon) logs to WANDB_CACHE_DIR, else ~/.cache/wandb whatever XDG says.
+os.environ["WANDB_CACHE_DIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "wandb")
 # Fixture modules that test files load with `pytest_plugins` (session-scoped runs shared by
 # several files): those files import them before pytest would, so ask for their asserts to be
 # rewritten here.

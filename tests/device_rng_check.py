@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from titanite.checkpoint import training_state
+from titanite.checkpoint import saving, training_state
 
 
 def main(folder: Path) -> int:
@@ -21,7 +21,7 @@ def main(folder: Path) -> int:
     optimizer.step()
     torch.manual_seed(7)
     torch.rand(3, device="tdev")  # a generator part-way through its stream
-    path = training_state.save(folder, 1, model, optimizer, {"data": {}}, "", keep_latest=0)
+    path = saving.save(folder, 1, model, optimizer, {"data": {}}, "", keep_latest=0)
     expected = (torch.rand(5, device="tdev").cpu(), torch.rand(5))  # what a resumed run must draw
     torch.rand(100, device="tdev"), torch.rand(100)  # the run goes on, then dies
     training_state.load(path, model, optimizer)

@@ -5,8 +5,8 @@ Each test builds its bad input itself and checks three things: the exit code, th
 names the cause, and that nothing is lost (no file written on exit 2, the last good checkpoint
 intact, resume reproducing the uninterrupted losses). Here: running the `titanite` command in
 this process, the refusal check, the reference run (a tiny checkpoint, data, and the losses of an
-uninterrupted 4-step run), and the ways to break a saved checkpoint (also used by
-tests/test_device_runs.py).
+uninterrupted 4-step run), the ways to break a saved checkpoint, and the comparison of two
+runs' checkpoints tensor by tensor (these two also used by tests/test_device_runs.py).
 
 `reference` is session-scoped and reaches the test files as a plugin: each reliability test file
 names this module in `pytest_plugins`, so the reference run is trained once per session however
@@ -16,9 +16,11 @@ the tests are split across files.
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanite import cli
-from titanite.checkpoint import manifest
+from titanite.checkpoint import manifest, training_state
 from titanite.files import file_digest
 from tests.conftest import make_hf_checkpoint, read_metrics, tiny_train_args, write_corpus
 
@@ -81,3 +83,22 @@ def _corrupt_garbage_with_manifest(ckpt):
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(b"\0" * shard.stat().st_size)
     rewrite_manifest(ckpt)
+
+
+def checkpoint_tensors(folder, scratch) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, read back whole by DCP's own converter."""
+    dcp_to_torch_save(folder, scratch)
+    flat: dict[str, torch.Tensor] = {}
+    for section, tensors in torch.load(scratch, weights_only=True).items():
+        flat.update({f"{section}/{k}": v for k, v in tensors.items()})
+    return flat
+
+
+def assert_same_checkpoints(sync_root, async_root, steps, scratch) -> None:
+    for step in steps:
+        a = checkpoint_tensors(sync_root / f"step-{step}", scratch / f"sync-{step}.pt")
+        b = checkpoint_tensors(async_root / f"step-{step}", scratch / f"async-{step}.pt")
+        assert a.keys() == b.keys(), step
+        for key in a:
+            assert torch.equal(a[key], b[key]), (step, key)
+        assert training_state.verify(async_root / f"step-{step}") == []

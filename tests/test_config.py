@@ -50,6 +50,7 @@ def test_contract_keys_exist():
     ("--model.spec=hff", "(did you mean 'hf'?)"),
     ("--data.shuffle=maybe", "config key 'data.shuffle': expected bool"),
     ("--parallelism.dp_shard=0", "parallelism.dp_shard"),
+    ("--checkpoint.async_mode=background", "config key 'checkpoint.async_mode': 'background' is not one of"),
     ("training.lr=1", "bad override 'training.lr=1'"),
 ])
 def test_bad_values_name_the_key(override, fragment):

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import TINY_MOE, make_hf_checkpoint, read_metrics, tiny_train_args
 from tests.device_runs import assert_same_losses, on_tdev, torchrun_on_tdev, train_on_cpu, train_on_tdev
-from tests.reliability_fixtures import _corrupt_flip
+from tests.reliability_fixtures import _corrupt_flip, assert_same_checkpoints
 from tests.test_distributed import assert_same_export, torchrun
 
 STEPS = 6
@@ -94,3 +94,20 @@ def test_ranks_on_device_match_the_same_layout_on_cpu(layout, request, tmp_path,
         assert "on this rank (ep=2)" in proc.stderr
     assert_same_losses(tmp_path / "cpu", tmp_path / "tdev")
     assert_same_export(tmp_path / "cpu" / "hf", tmp_path / "tdev" / "hf")
+
+
+def test_async_pinned_saves_on_two_device_ranks_match_sync(tmp_path, tiny_hf, tiny_data):
+    """checkpoint.async_mode = "async_pinned" on the device: staged in its pinned host memory, the
+    background save's collectives on a gloo group of its own beside the device's Python c10d
+    backend. The same losses and checkpoint tensors as the synchronous run on the device."""
+    args = tiny_train_args(tiny_hf, tiny_data, tmp_path / "x", steps=4, **{
+        "training.batch_size": 2, "training.global_batch_size": 8, "checkpoint.keep_latest": 0,
+        "checkpoint.export_hf": False})
+    sync, run = tmp_path / "sync", tmp_path / "async"
+    for out, extra in ((sync, []), (run, ["--checkpoint.async_mode=async_pinned", "--checkpoint.interval=1"])):
+        proc = torchrun_on_tdev(2, [*args, f"--job.output_dir={out}", *extra])
+        assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "backend cpu:gloo,tdev:tdevccl" in proc.stderr
+    assert "checkpoints: staged in pinned host memory" in proc.stderr
+    assert _losses(run) == _losses(sync)
+    assert_same_checkpoints(sync / "checkpoints", run / "checkpoints", [2, 4], tmp_path)

@@ -200,7 +200,7 @@ def test_the_circle_check_finds_a_circle():
 # what it may import besides itself: layers or modules).
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "foundation": (("titanite.config", "titanite.config_schema", "titanite.config_checks", "titanite.errors",
-                    "titanite.files"), ()),
+                    "titanite.files", "titanite.procs", "titanite.procs_forkserver"), ()),
     "device": (("titanite.device", "titanite.accelerators"), ("foundation",)),
     "kernels": (("titanite.kernels",), ("foundation",)),
     "formats": (("titanite.checkpoint.safetensors_io", "titanite.checkpoint.safetensors_stream",
@@ -210,11 +210,12 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "parallel": (("titanite.parallel",), ("model", "kernels", "formats", "device", "foundation")),
     "data": (("titanite.data",), ("titanite.kernels.reference_ops", "foundation")),
     "state": (("titanite.checkpoint",), ("parallel", "formats", "device", "foundation")),
-    "run": (("titanite.preflight", "titanite.trainer", "titanite.eval", "titanite.optim", "titanite.metrics",
-             "titanite.runlock", "titanite.plan"),
+    "run": (("titanite.preflight", "titanite.trainer", "titanite.eval", "titanite.harness", "titanite.optim",
+             "titanite.metrics", "titanite.trackers", "titanite.runlock", "titanite.plan"),
             ("state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
     "commands": (("titanite", "titanite.cli", "titanite.train", "titanite.api", "titanite.export",
-                  "titanite.generate", "titanite.device_check", "titanite.plot"),
+                  "titanite.generate", "titanite.eval_command", "titanite.device_check",
+                  "titanite.plot"),
                  ("run", "state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
 }
 # Single modules allowed more than their layer: the kernel tools that run ops on a device.

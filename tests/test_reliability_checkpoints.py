@@ -87,7 +87,10 @@ def test_1_pickled_byte_entries_are_refused(tmp_path):
 # 2. A NaN run is saved as the last good checkpoint -------------------------------------------
 
 
-def test_2_nonfinite_weights_are_never_saved(tmp_path, capsys, reference, monkeypatch):
+@pytest.mark.parametrize("async_mode", ["off", "async"])
+def test_2_nonfinite_weights_are_never_saved(tmp_path, capsys, reference, monkeypatch, async_mode):
+    """With async saves too: the check runs in the step, before the state is staged, and the run
+    stops only after the save in flight (finite) has landed."""
     from titanite.config import ModelConfig, TrainingConfig
     from titanite.models.spec import get_spec
     from titanite.optim import param_groups
@@ -109,14 +112,32 @@ def test_2_nonfinite_weights_are_never_saved(tmp_path, capsys, reference, monkey
         return result
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned_step)
-    code, err = train(capsys, hf, data, out, **{"checkpoint.interval": 1, "checkpoint.keep_latest": 1})
+    extra = {"checkpoint.interval": 1, "checkpoint.keep_latest": 1, "checkpoint.async_mode": async_mode}
+    code, err = train(capsys, hf, data, out, **extra)
     assert code == 3, err[-2000:]
     assert "after the update of step 3" in err and f"first non-finite tensor: {poisoned_name}" in err, err[-2000:]
+    assert "Last good checkpoint: " + str(out / "checkpoints" / "step-2") in err, err[-2000:]
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
     (step, ckpt), = training_state.list_checkpoints(out / "checkpoints")
     assert step == 2 and training_state.verify(ckpt) == []
-    assert train(capsys, hf, data, out)[0] == 0  # resumes from the finite step-2
+    assert train(capsys, hf, data, out, **extra)[0] == 0  # resumes from the finite step-2
     assert losses(out) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_2_the_finite_check_sees_every_nan_and_inf(dtype):
+    """The host's check (min and max of each tensor) against torch.isfinite, element by element:
+    one NaN, +Inf or -Inf anywhere in any tensor, or none."""
+    from titanite.checkpoint.finite import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    for bad in (float("nan"), float("inf"), float("-inf"), None):
+        for _ in range(5):
+            ts = [torch.randn(int(n), generator=gen).to(dtype) for n in torch.randint(1, 5000, (4,), generator=gen)]
+            if bad is not None:
+                t = ts[int(torch.randint(0, 4, (), generator=gen))]
+                t[int(torch.randint(0, t.numel(), (), generator=gen))] = bad
+            assert bool(all_finite(ts)) == all(bool(torch.isfinite(t).all()) for t in ts), (dtype, bad)
 
 
 def test_2_nonfinite_loss_between_log_steps_skips_its_update_on_the_device(tmp_path, reference, monkeypatch):

@@ -146,6 +146,17 @@ def run_generate(argv: list[str]) -> int:
 
 
 @_user_errors
+def run_eval(argv: list[str]) -> int:
+    setup_logging()
+    from titanite.eval import require_lm_eval
+
+    require_lm_eval("titanite eval")
+    from titanite.eval_command import main as eval_main
+
+    return eval_main(argv)
+
+
+@_user_errors
 def run_kernels(argv: list[str]) -> int:
     setup_logging()
     from titanite.kernels.cli import main as kernels_main
@@ -238,7 +249,7 @@ def run_estimate(argv: list[str]) -> int:
     return estimate_main(argv)
 
 
-COMMANDS = {"train": run_train, "export": run_export, "checkpoint": run_checkpoint, "generate": run_generate, "kernels": run_kernels,
+COMMANDS = {"train": run_train, "export": run_export, "checkpoint": run_checkpoint, "generate": run_generate, "eval": run_eval, "kernels": run_kernels,
             "plot": run_plot, "estimate": run_estimate, "data": run_data, "device": run_device}
 
 

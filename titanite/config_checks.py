@@ -8,7 +8,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from titanite.config_schema import Config, DataConfig, coerce
+from titanite.config_schema import TRACKERS, Config, DataConfig, coerce
 from titanite.errors import UserError, did_you_mean
 
 
@@ -61,13 +61,14 @@ def validate(cfg: Config) -> None:
     if d.format == "chat" and d.packing == "stream":
         raise UserError("config key 'data.packing': 'stream' cannot keep chat samples apart; use "
                         "'documents' or 'pad' with data.format = 'chat'")
-    for key in ("interval", "batch_size", "max_batches"):
+    for key in ("interval", "batch_size", "max_batches", "limit"):
         positive(f"eval.{key}", getattr(cfg.eval, key), allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     positive("checkpoint.keep_latest", cfg.checkpoint.keep_latest, allow_zero=True)
     positive("checkpoint.export_shard_mb", cfg.checkpoint.export_shard_mb)
     positive("metrics.log_interval", cfg.metrics.log_interval)
     positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
+    validate_trackers(cfg)
     p = cfg.parallelism
     for key in ("dp_replicate", "tp", "ep", "collective_timeout_s"):
         positive(f"parallelism.{key}", getattr(p, key))
@@ -78,6 +79,16 @@ def validate(cfg: Config) -> None:
     if not cfg.job.output_dir:
         raise UserError("config key 'job.output_dir' must not be empty")
     validate_lora(cfg)
+
+
+def validate_trackers(cfg: Config) -> None:
+    """metrics.trackers names known trackers; metrics.project names something."""
+    for i, name in enumerate(cfg.metrics.trackers):
+        if name not in TRACKERS:
+            raise UserError(f"config key 'metrics.trackers[{i}]': {name!r} is not one of "
+                            f"{', '.join(map(repr, TRACKERS))}{did_you_mean(name, TRACKERS)}")
+    if (cfg.metrics.trackers or cfg.metrics.tensorboard) and not cfg.metrics.project.strip():
+        raise UserError("config key 'metrics.project' must not be empty when trackers are on")
 
 
 def validate_lora(cfg: Config) -> None:

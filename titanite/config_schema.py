@@ -105,6 +105,9 @@ class EvalConfig:
     interval: int = _f(0, "Evaluate every N steps; 0 = only at the end. The last step always evaluates.")
     batch_size: int = _f(0, "Sequences per eval batch per rank; 0 = training.batch_size.")
     max_batches: int = _f(0, "Evaluate on at most this many batches (the same ones every time); 0 = all of the held-out data.")
+    tasks: list[str] = _f([], "lm-evaluation-harness tasks (or groups) to score every `interval` steps and at the end, through lm-eval's own task definitions and metrics; scores go to metrics.jsonl as eval/<task>/<metric>. Needs the lm-eval package (titanite[eval]). Every rank runs the same requests; batch_size applies.")
+    include_path: str = _f("", "A folder of local lm-eval task YAMLs (with local data files they need no network), searched before lm-eval's own tasks.")
+    limit: int = _f(0, "Score at most this many documents of each task (the first ones, the same every time); 0 = all.")
 
 
 @dataclass
@@ -115,6 +118,8 @@ class CheckpointConfig:
     export_hf: bool = _f(True, "Write a Hugging Face folder to <output_dir>/hf at the end.")
     export_shard_mb: int = _f(DEFAULT_SHARD_MB, "Largest safetensors shard in an HF export, in MB.")
     export_merged: bool = _f(False, "LoRA runs: also write <output_dir>/hf with the adapters merged into the base weights (the published layout; transformers loads it without peft). The adapter itself goes to <output_dir>/adapter whenever export_hf is on.")
+    async_mode: str = _f("off", "'off': a save blocks the step until the checkpoint is written, hashed and renamed into place. 'async': the step waits only while the training state is copied to host memory; the write, hashing, manifest, rename and pruning run in a background thread (one host copy of this rank's state is kept for the run). 'async_pinned': the same, copied into pinned host memory where the device has it (else 'async', with a warning). The final save, an export, a SIGTERM and the next save wait for a save in flight; a background storage error stops the run with exit 2.",
+                         choices=("off", "async", "async_pinned"))
 
 
 LORA_ALL = "all-linear"
@@ -134,10 +139,16 @@ class LoraConfig:
     adapter_path: str = _f("", "Start the adapters from this peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's adapter/) instead of the init. It must be an adapter of model.hf_path's architecture, with this section's rank and target_modules.")
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # metrics.trackers' names
+
+
 @dataclass
 class MetricsConfig:
     log_interval: int = _f(10, "Log every N steps (and always the first and last step).")
-    tensorboard: bool = _f(False, "Also write TensorBoard events under <output_dir>/tb (needs the tensorboard package).")
+    tensorboard: bool = _f(False, "Also write TensorBoard events under <output_dir>/tb (needs the tensorboard package); the same as listing 'tensorboard' in metrics.trackers.")
+    trackers: list[str] = _f([], "Experiment trackers that receive every logged row (rank 0): any of 'tensorboard', 'wandb', 'mlflow', 'trackio' (each needs its package: pip install 'titanite[<name>]'). Local and offline unless the environment names a server: W&B offline under <output_dir>/wandb unless WANDB_MODE is set, MLflow to <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set, trackio to <output_dir>/trackio unless TRACKIO_DIR is set. A resumed run continues the same tracker run (<output_dir>/trackers.json).")
+    project: str = _f("titanite", "Tracker project: the W&B project, MLflow experiment and trackio project.")
+    run_name: str = _f("", "Tracker run name; empty = the output folder's name.")
     peak_tflops: float = _f(0.0, "Device peak for MFU in TFLOP/s; 0 = known GPU table, or a GEMM measured at start-up.")
     progress_bar: str = _f("auto", "'auto' (a bar on a terminal, lines otherwise), 'bar', 'lines' or 'off'.",
                            choices=("auto", "bar", "lines", "off"))

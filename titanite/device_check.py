@@ -11,6 +11,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from titanite.kernels.verify import verify
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.qwen3.model import Qwen3
 from titanite.optim import build_optimizer
+from titanite.procs import die_with_parent
 
 log = logging.getLogger("titanite")
 
@@ -201,9 +203,11 @@ def _wrong(got, want) -> str | None:
     return None if got == want else f"got {got}, want {want}"
 
 
-def _collective_rank(rank: int, world: int, device_type: str, package: str, workdir: str) -> None:
-    """One spawned rank: import the device's package (a spawned child has only what PyTorch
-    autoloads), join the group, run each collective, write {name: problem or None} to rank<r>.json."""
+def _collective_rank(rank: int, world: int, device_type: str, package: str, workdir: str, parent: int) -> None:
+    """One spawned rank: die with `parent` (the command), import the device's package (a spawned
+    child has only what PyTorch autoloads), join the group, run each collective, write
+    {name: problem or None} to rank<r>.json."""
+    die_with_parent(parent)
     importlib.import_module(package)
     results: dict[str, str | None] = {}
     try:
@@ -235,7 +239,7 @@ def collective_checks(device: torch.device, dtype: torch.dtype, nproc: int | Non
     package = "torch" if devices.is_host(device) else torch.get_device_module(device.type).__name__.split(".")[0]
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="titanite-device-check-") as workdir:
-        procs = [ctx.Process(target=_collective_rank, args=(r, nproc, device.type, package, workdir))
+        procs = [ctx.Process(target=_collective_rank, args=(r, nproc, device.type, package, workdir, os.getpid()))
                  for r in range(nproc)]
         for p in procs:
             p.start()

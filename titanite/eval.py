@@ -6,10 +6,14 @@ in order, and every evaluation covers the same sequences: all of them, or the fi
 `eval.max_batches` global batches. The loss is the summed token cross-entropy over every
 valid label divided by the number of such labels (over all data-parallel ranks);
 perplexity is exp(loss).
+
+Benchmarks (`eval.tasks`, `titanite eval`) go through lm-evaluation-harness: titanite/harness.py,
+once `require_lm_eval` has found it installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import time
@@ -27,6 +31,19 @@ from titanite.errors import UserError
 from titanite.kernels import IGNORE_INDEX
 
 log = logging.getLogger("titanite")
+LM_EVAL = "lm-eval==0.4.13"  # the version titanite's harness is written and tested against
+
+
+def require_lm_eval(key: str) -> None:
+    """Raise UserError, naming `key`, when lm-evaluation-harness is not installed."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"{key} needs lm-evaluation-harness, which is not installed: "
+                        f"pip install 'titanite[eval]' (or {LM_EVAL})")
+
+
+def eval_due(step: int, interval: int, total_steps: int) -> bool:
+    """Whether to evaluate after optimizer step `step`: every `interval` steps, and the last."""
+    return step == total_steps or (interval > 0 and step % interval == 0)
 
 
 class Evaluator:
@@ -58,8 +75,8 @@ class Evaluator:
                  e.path, len(self.windows), data.seq_len, self.num_batches, self.batch_size)
 
     def due(self, step: int) -> bool:
-        """Whether to evaluate after optimizer step `step` (every `interval` steps, and the last)."""
-        return step == self.total_steps or (self.interval > 0 and step % self.interval == 0)
+        """Whether to evaluate after optimizer step `step` (see eval_due)."""
+        return eval_due(step, self.interval, self.total_steps)
 
     def batches(self) -> list[dict[str, torch.Tensor]]:
         """This rank's eval batches (CPU int64 [B, S] tensors), the same list every time."""

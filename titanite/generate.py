@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,9 +94,10 @@ def sample_next(logits: torch.Tensor, s: Sampling, generator: torch.Generator | 
 
 
 @torch.no_grad()
-def generate(model: Qwen3, prompt: Sequence[int], sampling: Sampling,
-             stop_ids: Sequence[int] = ()) -> list[int]:
-    """New token ids after `prompt`, up to max_new_tokens; a stop id ends it (and is included)."""
+def generate(model: Qwen3, prompt: Sequence[int], sampling: Sampling, stop_ids: Sequence[int] = (),
+             done: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """New token ids after `prompt`, up to max_new_tokens; a stop id ends it (and is included),
+    and so does `done(the ids so far)` returning True (e.g. a stop string in their text)."""
     device = next(model.parameters()).device
     cache = new_cache(model, 1, len(prompt) + sampling.max_new_tokens)
     generator = torch.Generator(device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
@@ -109,7 +110,7 @@ def generate(model: Qwen3, prompt: Sequence[int], sampling: Sampling,
         while len(out) < sampling.max_new_tokens:
             token = sample_next(logits, sampling, generator)  # [1]
             out.append(int(token))
-            if out[-1] in stops or len(out) == sampling.max_new_tokens:
+            if out[-1] in stops or len(out) == sampling.max_new_tokens or (done is not None and done(out)):
                 break
             logits = forward_cached(model, token[:, None], cache)
     finally:

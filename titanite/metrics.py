@@ -1,4 +1,5 @@
-"""Metrics: metrics.jsonl (one JSON object per logged step), console progress, TensorBoard.
+"""Metrics: metrics.jsonl (one JSON object per logged step), console progress, and the
+experiment trackers (titanite/trackers.py: TensorBoard, W&B, MLflow, trackio).
 
 Only rank 0 writes. metrics.jsonl is appended to, so a resumed run continues the same file;
 rows at or past the resume step from an interrupted attempt are dropped first, so every step
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titanite.config import MetricsConfig
+from titanite.config import Config, MetricsConfig
+from titanite.trackers import Trackers
 
 log = logging.getLogger("titanite")
 
@@ -24,21 +26,19 @@ class MetricsLogger:
     def __init__(self, output_dir: Path, cfg: MetricsConfig, total_steps: int, rank: int = 0) -> None:
         self.cfg, self.total, self.rank = cfg, total_steps, rank
         self.path = output_dir / "metrics.jsonl"
-        self.tb = None
+        self.trackers: Trackers | None = None
         mode = cfg.progress_bar
         self.bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
         self.quiet = mode == "off"
         self.started = time.perf_counter()
         self.first_step: int | None = None
-        if rank == 0 and cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                from titanite.errors import UserError
+        self.output_dir = output_dir
 
-                raise UserError("metrics.tensorboard = true needs the tensorboard package "
-                                "(pip install tensorboard)") from None
-            self.tb = SummaryWriter(str(output_dir / "tb"))
+    def start_trackers(self, cfg: Config, resume_step: int) -> None:
+        """Start (or, resuming from a checkpoint at `resume_step` > 0, continue) the trackers'
+        runs; the package checks ran in preflight."""
+        if self.rank == 0:
+            self.trackers = Trackers(self.output_dir, cfg, resume_step)
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows with step <= `step` (the resume point) in metrics.jsonl."""
@@ -57,10 +57,8 @@ class MetricsLogger:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(clean)
         if not self.quiet:
             self._console(row)
 
@@ -87,9 +85,11 @@ class MetricsLogger:
         else:
             log.info(text)
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, failed: bool = False) -> None:
+        """Finish the trackers' runs (`failed`: the run ends with an error); safe to call twice."""
+        if self.trackers is not None:
+            self.trackers.close(failed)
+            self.trackers = None
 
 
 def _duration(seconds: float) -> str:

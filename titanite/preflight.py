@@ -17,8 +17,10 @@ rule, and leaves the output folder as it was. What it checks:
 - the tokenizer against the vocabulary: its largest id, added and special tokens included,
   must be below the model's vocab_size; so must a token store's named by data.path or
   eval.path, and otherwise the store cache (data.cache_dir) must be writable;
+- eval.tasks: lm-eval installed, every task known and loadable with its data (titanite/harness.py);
 - the batch layout (global batch a multiple of per-rank batch x data-parallel ranks) and that
-  the model supports the packing asked for.
+  the model supports the packing asked for;
+- that the package of every tracker in metrics.trackers can be imported.
 
 It returns what it built (the meta-device model with kernels attached, the tokenizer), so
 the trainer does none of it twice.
@@ -45,7 +47,7 @@ from titanite.data.sources import STDLIB
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
 from titanite.errors import UserError
 from titanite.files import check_writable_folder, require_regular
-from titanite import lora
+from titanite import lora, trackers
 from titanite.models.handle import ModelHandle
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.spec import get_spec
@@ -78,6 +80,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     check_free(cfg.job.output_dir)  # a live run there: stop before doing anything
     check_writable_folder(cfg.job.output_dir, "job.output_dir")
     check_input_paths(cfg)
+    trackers.check_installed(cfg.metrics)
     device = devices.pick_device(cfg.job.device)
     dims = ParallelDims.resolve(cfg.parallelism, world_size)
     grad_accum = _grad_accum_steps(cfg, dims.dp)
@@ -104,6 +107,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
     check_data_stores(cfg, tokenizer, hf_config["vocab_size"])
+    if cfg.eval.tasks:
+        check_eval_tasks(cfg)
     if packing_mode(cfg.data) == "documents" and not handle.supports_document_masks:
         raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
@@ -174,6 +179,17 @@ def check_lora(cfg: Config, handle: ModelHandle, weights: str | None, resuming: 
              len(handle.lora.targets), cfg.lora.rank, cfg.lora.alpha,
              ", ".join(sorted({t.short_name for t in handle.lora.targets})), f"{n_train:,}", f"{n_all:,}",
              100 * n_train / n_all)
+
+
+def check_eval_tasks(cfg: Config) -> None:
+    """eval.tasks: lm-eval is installed, eval.include_path is a folder, and every task loads (its
+    definition, its data and its generation settings, greedy ones only), so none fails mid-run."""
+    from titanite.eval import require_lm_eval
+
+    require_lm_eval("eval.tasks")
+    from titanite.harness import load_tasks
+
+    load_tasks(cfg.eval.tasks, cfg.eval.include_path, "eval.tasks", sampling=False)
 
 
 def check_input_paths(cfg: Config) -> None:

@@ -23,13 +23,14 @@ import torch.nn.functional as F
 from titanite import device as devices
 from titanite import lora
 from titanite.checkpoint import training_state
+from titanite.checkpoint.saving import Saver
 from titanite.checkpoint.finite import FiniteWatch, all_finite, first_nonfinite, optimizer_tensors
 from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
 from titanite.data.loader import make_loader
 from titanite.data.prefetch import Prefetcher
 from titanite.errors import TrainingDiverged
-from titanite.eval import Evaluator
+from titanite.eval import Evaluator, eval_due
 from titanite.metrics import MetricsLogger
 from titanite.kernels import IGNORE_INDEX
 from titanite.lora import adapter as lora_adapter
@@ -92,6 +93,7 @@ class Trainer:
             devices.set_host_memory_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
+        self.saver = Saver(cfg.checkpoint.async_mode, self.device, cfg.parallelism.collective_timeout_s)
         self.config_toml = to_toml(cfg)
         self.loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
                                   rank=self.world.dp_rank, world_size=self.world.dp_size)
@@ -102,6 +104,7 @@ class Trainer:
                      "pinned" if pin else "pageable")
         self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
                           if cfg.eval.path else None)
+        self.benchmarks = self._benchmarks() if cfg.eval.tasks else None
         self.step = 0
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
@@ -131,6 +134,7 @@ class Trainer:
             (self.out / "config.toml").write_text(self.config_toml)
         self.metrics = MetricsLogger(self.out, cfg.metrics, cfg.training.steps, self.rank)
         self.metrics.truncate_after(self.step)
+        self.metrics.start_trackers(cfg, self.step)
         self.stop_signal: int | None = None
         n = self.handle.num_params()
         log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
@@ -143,6 +147,10 @@ class Trainer:
         never wrote into."""
         if isinstance(getattr(self, "loader", None), Prefetcher):
             self.loader.close()
+        if getattr(self, "saver", None) is not None:  # a background save ends with the run
+            self.saver.close()
+        if getattr(self, "metrics", None) is not None:  # trackers' runs and their service processes end here
+            self.metrics.close()
         if self.lock is not None:
             self.lock.release(remove_folder_if_empty=remove_empty_output)
             self.lock = None
@@ -186,7 +194,8 @@ class Trainer:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
         finally:
-            self.metrics.close()
+            self.saver.close()  # before the process group goes: a background save uses it
+            self.metrics.close(failed=sys.exc_info()[0] is not None)
             self.world.close(in_step=sys.exc_info()[0] is None)
             self.close()
 
@@ -207,7 +216,8 @@ class Trainer:
             self.step += 1
             window_steps += 1
             eval_row: dict[str, float] = {}
-            if self.evaluator is not None and self.evaluator.due(self.step):
+            if ((self.evaluator is not None or self.benchmarks is not None)
+                    and eval_due(self.step, cfg.eval.interval, cfg.training.steps)):
                 eval_start = time.perf_counter()
                 eval_row = self.evaluate()
                 window_start += time.perf_counter() - eval_start  # not training throughput
@@ -231,9 +241,10 @@ class Trainer:
             interval = cfg.checkpoint.interval
             # Every rank must agree to stop, or the ones that did not see the signal would wait
             # in the next step's collectives while the others save.
-            if self.world.any_rank(self.stop_signal is not None):
+            # A background save that failed stops every rank too: _save raises its error (exit 2).
+            if self.world.any_rank(self.stop_signal is not None or self.saver.failed()):
                 self.stop_signal = self.stop_signal or signal.SIGTERM
-                self._save()
+                self._save(final=True)
                 log.warning("stopped by %s at step %d; rerun the same command to resume",
                             signal.Signals(self.stop_signal).name, self.step)
                 return
@@ -329,6 +340,7 @@ class Trainer:
         first offending tensor, and the last good checkpoint, which stays untouched."""
         names = [n for n in distributed.gather_texts(first_nonfinite(self.model, self.optimizer) or "") if n]
         detail = f"; first non-finite tensor: {names[0]}" if names else ""
+        self.saver.close()  # a save in flight was finite (checked before staging): let it land first
         latest = training_state.latest_checkpoint(self.ckpt_root)
         raise TrainingDiverged(
             f"{what}{detail}; stopped without saving. Last good checkpoint: {latest or 'none'}. Lower "
@@ -345,30 +357,51 @@ class Trainer:
         return out, distributed.full_tensor(loss_sum)
 
     def evaluate(self) -> dict[str, float]:
-        """Loss and perplexity on the held-out data (eval.path); see titanite/eval.py."""
+        """Loss and perplexity on the held-out data (eval.path; titanite/eval.py) and the
+        eval.tasks benchmark scores (titanite/harness.py)."""
         def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:
             with self.world.loss_parallel():
                 return self._forward(b)[1]
 
-        assert self.evaluator is not None
-        return self.evaluator.run(self.model, loss_sum, self.world.all_reduce_sum_dp, self.device)
+        row: dict[str, float] = {}
+        if self.evaluator is not None:
+            row |= self.evaluator.run(self.model, loss_sum, self.world.all_reduce_sum_dp, self.device)
+        if self.benchmarks is not None:
+            row |= self.benchmarks.run(self.model)
+        return row
+
+    def _benchmarks(self) -> Any:
+        """lm-eval on this run's own (possibly sharded) module: every rank runs the same requests
+        with full logits (gathered over tensor-parallel shards, never the weights)."""
+        from titanite.harness import LoopBenchmarks
+
+        def logits(ids: torch.Tensor) -> torch.Tensor:
+            width = ids.shape[1]  # right-padded to a length sequence parallelism can split over tp
+            with self.autocast:
+                return distributed.full_tensor(self.model(F.pad(ids, (0, -width % self.world.tp))))[:, :width]
+
+        e = self.cfg.eval
+        return LoopBenchmarks(e, logits, self.tokenizer.path.parent, self.handle.args.max_position_embeddings,
+                              e.batch_size or self.cfg.training.batch_size, self.device, self.world.min_over_ranks)
 
     # -- saving -----------------------------------------------------------------------------
 
-    def _save(self) -> Path:
+    def _save(self, final: bool = False) -> None:
+        """Checkpoint this step (checkpoint.async_mode: written now, or in the background once the
+        state is staged, after the save in flight lands). `final`: the run ends after it, so the
+        export and the exit wait for it."""
         self._stop_if_nonfinite(before_save=True)
         state: dict[str, Any] = {"data": self.loader.state_dict()}
         if self.lora_record is not None:  # the base the adapters belong to (re-read on resume)
             state.update(self.lora_record)
-        path = training_state.save(self.ckpt_root, self.step, self.model, self.optimizer, state,
-                                   self.config_toml, self.cfg.checkpoint.keep_latest)
-        if self.rank == 0:
-            log.info("saved checkpoint %s", path)
-        return path
+        self.saver.save(self.ckpt_root, self.step, self.model, self.optimizer, state, self.config_toml,
+                        self.cfg.checkpoint.keep_latest)
+        if final:
+            self.saver.wait()
 
     def _finish(self, save: bool) -> None:
         if save:
-            self._save()
+            self._save(final=True)
         if not self.cfg.checkpoint.export_hf:
             return
         if self.handle.lora is None:

@@ -6,7 +6,11 @@
 - `CrashPoints`: SIGKILL the process at the K-th file-system operation of the save of a given
   step (a file opened for writing, a write, fsync, rename, delete), so a kill can be placed at
   any point of a save: in the middle of a shard, between the shards and the manifest, between
-  the rename and the pruning of old checkpoints.
+  the rename and the pruning of old checkpoints. An asynchronous save's operations count
+  wherever they run: in the step, or in the background threads that write and finalise it
+  while the next steps train.
+
+Both hook `Saver.save` (titanite/checkpoint/saving.py), which every save of a run goes through.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import builtins
 import contextlib
 import errno
 import io
+import json
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 from torch.distributed.checkpoint import filesystem
 
-from titanite.checkpoint import training_state
+from titanite.checkpoint import saving
 
 
 class _FullDiskStream:
@@ -47,27 +53,30 @@ class _FullDiskStream:
 
 @contextlib.contextmanager
 def disk_full_after(monkeypatch, root: Path, saves_allowed: int):
-    """Within the block, checkpoint saves under `root` after the first `saves_allowed` hit a full disk."""
-    done = {"saves": 0}
-    real_save, real_stream = training_state.save, filesystem.FileSystem.create_stream
+    """Within the block, checkpoint saves under `root` after the first `saves_allowed` hit a full
+    disk. A write belongs to the save whose `.tmp-step-N` folder it goes to, so an asynchronous
+    save's background writes are caught as well as a synchronous save's."""
+    started: list[int] = []  # the steps saved, in order
+    real_save, real_stream = saving.Saver.save, filesystem.FileSystem.create_stream
 
-    def counting_save(*a, **kw):
-        path = real_save(*a, **kw)
-        done["saves"] += 1
-        return path
+    def noting_save(self, ckpt_root, step, *a, **kw):
+        started.append(step)
+        return real_save(self, ckpt_root, step, *a, **kw)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         with real_stream(self, path, mode) as stream:
-            full = "w" in mode and Path(root) in Path(path).parents and done["saves"] >= saves_allowed
+            folders = [p.name for p in Path(path).parents if Path(root) in p.parents]
+            steps = [int(f.removeprefix(".tmp-step-")) for f in folders if f.startswith(".tmp-step-")]
+            full = "w" in mode and bool(steps) and steps[0] not in started[:saves_allowed]
             yield _FullDiskStream(stream, path) if full else stream
 
-    monkeypatch.setattr(training_state, "save", counting_save)
+    monkeypatch.setattr(saving.Saver, "save", noting_save)
     monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
     try:
         yield
     finally:
-        monkeypatch.setattr(training_state, "save", real_save)
+        monkeypatch.setattr(saving.Saver, "save", real_save)
         monkeypatch.setattr(filesystem.FileSystem, "create_stream", real_stream)
 
 
@@ -75,23 +84,43 @@ class CrashPoints:
     """Count (kill_at=0) or kill at (kill_at=K) the file-system operations of the save of `step`.
 
     Installed process-wide by patching builtins.open (write modes), file writes, os.fsync,
-    os.rename, os.replace and shutil.rmtree while `training_state.save(step=...)` runs.
+    os.rename, os.replace and shutil.rmtree. An operation is the save's when it runs in the
+    `Saver.save(step=...)` call itself, or in another thread until the next save begins (the
+    background writer and finaliser of an asynchronous save; the next save first waits for
+    them, so each operation is counted once, in a fixed order). `children_file`: where to write
+    the pids of this process's children just before the kill, to check that none outlives it.
     """
 
-    def __init__(self, step: int, kill_at: int) -> None:
-        self.step, self.kill_at, self.active = step, kill_at, False
+    def __init__(self, step: int, kill_at: int, children_file: str = "") -> None:
+        self.step, self.kill_at, self.children_file = step, kill_at, children_file
+        self.saving: int | None = None  # the step of the latest save begun
+        self.caller: int | None = None  # the thread inside Saver.save, while it is
         self.events: list[str] = []  # "kind name" of every operation seen, in order
+
+    @property
+    def active(self) -> bool:
+        me = threading.get_ident()
+        return self.saving == self.step and (me == self.caller or me != threading.main_thread().ident)
 
     def event(self, kind: str, target: object = "") -> None:
         if not self.active:
             return
         self.events.append(f"{kind} {Path(str(target)).name}")
         if len(self.events) == self.kill_at:
+            if self.children_file:
+                self._write_children()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _write_children(self) -> None:
+        pids = [int(p) for task in Path("/proc/self/task").iterdir()
+                for p in (task / "children").read_text().split()]
+        fd = os.open(self.children_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # os.write: not counted
+        os.write(fd, json.dumps(pids).encode())
+        os.close(fd)
 
     def install(self) -> None:
         real_open, real_fsync, real_rename = builtins.open, os.fsync, os.rename
-        real_replace, real_rmtree, real_save = os.replace, shutil.rmtree, training_state.save
+        real_replace, real_rmtree, real_save = os.replace, shutil.rmtree, saving.Saver.save
         points = self
 
         class Writer:
@@ -129,14 +158,15 @@ class CrashPoints:
                 return fn(*a, **kw)
             return inner
 
-        def save(ckpt_root, step, *a, **kw):
-            points.active = step == points.step
+        def save(saver, ckpt_root, step, *a, **kw):
+            saver.wait()  # the save in flight finishes as the previous step's
+            points.saving, points.caller = step, threading.get_ident()
             try:
-                return real_save(ckpt_root, step, *a, **kw)
+                return real_save(saver, ckpt_root, step, *a, **kw)
             finally:
-                points.active = False
+                points.caller = None
 
         builtins.open = io.open = open_  # pathlib opens through io.open
         os.fsync, os.rename = wrap(real_fsync, "fsync"), wrap(real_rename, "rename")
         os.replace, shutil.rmtree = wrap(real_replace, "replace"), wrap(real_rmtree, "rmtree")
-        training_state.save = save
+        saving.Saver.save = save

@@ -4,8 +4,12 @@ A finite loss does not make finite weights: an optimizer update can overflow the
 write NaN into one) while the loss of that step still looks fine. So the state itself is
 checked: after every optimizer step (on the device, no host sync; the trainer reads the result
 only when it logs or saves) and before every save (every parameter and every optimizer tensor).
-Both checks are one fused reduction: the infinity norm of each local tensor (`_foreach_norm`,
-one multi-tensor kernel on accelerators), which is NaN or Inf exactly when the tensor holds one.
+Both checks are one pass over each local tensor: on accelerators its infinity norm
+(`_foreach_norm`, one multi-tensor kernel), on the host its minimum and maximum (`aminmax`),
+either of which is NaN or Inf exactly when the tensor holds one. The host's infinity norm is not
+vectorised: over a 400M model's weights and AdamW state (4.46 GiB) it takes 1.65 s against
+0.31 s for min/max on the 2-core CPU, and the check before a save is most of what an
+asynchronous save blocks the step for (docs/performance.md, "Asynchronous checkpoints").
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from titanite import device as devices
 
 _INF = float("inf")
 
@@ -38,8 +44,11 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     ts = _checkable(tensors)
     if not ts:
         return torch.ones((), dtype=torch.bool)
-    norms = torch._foreach_norm(ts, _INF)
-    return torch.stack([n.float() for n in norms]).isfinite().all()
+    if devices.is_host(ts[0].device):
+        extremes = [x for t in ts for x in torch.aminmax(t)]  # NaN propagates; +-Inf is an extreme
+    else:
+        extremes = list(torch._foreach_norm(ts, _INF))
+    return torch.stack([x.float() for x in extremes]).isfinite().all()
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -4,14 +4,10 @@ Layout of `<output_dir>/checkpoints/step-N/`: the DCP shards (`*.distcp`) and `.
 (model, optimizer tensors, RNG), `trainer_state.json` (step, data position), the run's
 `config.toml`, and `manifest.json` (size + SHA-256 of every other file), written last.
 
-A save goes to `.tmp-step-N`:
-  1. DCP writes and fsyncs the shards and metadata;
-  2. rank 0 writes trainer_state.json and config.toml;
-  3. every rank hashes the files it wrote, reading them back; rank 0 writes the manifest;
-  4. the folder is renamed to `step-N`, and only then are older checkpoints pruned.
-Any failure on the way (a full disk, a read-only folder) removes the temporary folder and
-raises a UserError; earlier checkpoints are never touched. A kill at any point leaves either a
-temporary folder (removed on the next start) or a complete checkpoint.
+This module holds the layout, what a checkpoint holds (`state_to_save`), the clean-up at start
+(`remove_stale_temporaries`), verification and loading; saving.py writes checkpoints, in the
+step or in the background. A kill at any point of a save leaves either a temporary folder
+(removed on the next start) or a complete checkpoint.
 
 A load verifies the manifest (sizes and hashes, split across ranks), reads the DCP metadata
 with a restricted unpickler, checks it against the model and optimizer (first mismatching key
@@ -37,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -50,13 +45,11 @@ from torch.distributed.checkpoint.state_dict import (
 from titanite import device as devices
 from titanite.checkpoint import dcp_safe, manifest
 from titanite.errors import UserError
-from titanite.files import file_digest, storage_error
 from titanite.parallel.distributed import gather_texts
 
 log = logging.getLogger("titanite")
 
 _STEP_DIR = re.compile(r"step-(\d+)")
-_WRITER = re.compile(r"__(\d+)_")  # DCP names each rank's shard files __<rank>_<n>.distcp
 STATE_FILE = "trainer_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # Training state is what trains: a LoRA model's frozen base is re-read from model.hf_path, so a
@@ -107,97 +100,15 @@ def _tensor_items(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-# -- saving ----------------------------------------------------------------------------------
+# -- what a save holds (saving.py writes it), and the clean-up at start ------------------------
 
 
-def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict[str, Any], config_toml: str, keep_latest: int) -> Path:
-    """Save everything needed to resume at `step`; then prune to `keep_latest` (0 keeps all).
-    A file-system fault raises UserError after removing the partial save."""
-    final = ckpt_root / f"step-{step}"
-    tmp = ckpt_root / f".tmp-step-{step}"
-    try:
-        if _rank() == 0:
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        _barrier()
-        state = {"model": get_model_state_dict(model, options=_TRAINABLE),
-                 "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
-                 "rng": rng_states(_device_of(model))}
-        with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            metadata = dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
-                                no_dist=not dist.is_initialized())
-        files: list[str] = []
-        if _rank() == 0:
-            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-            (tmp / "config.toml").write_text(config_toml)
-            files = [dcp_safe.METADATA_NAME, STATE_FILE, "config.toml"]
-        shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-        files += [f for f in shards if _writer_of(f) == _rank()]
-        digests: dict[str, Any] = {}
-        for text in gather_texts(json.dumps({f: file_digest(tmp / f) for f in files})):
-            digests.update(json.loads(text))
-        if _rank() == 0:
-            manifest.write(tmp, digests, step)
-            _fsync_dir(tmp)
-            _swap_in(tmp, final)
-            _prune(ckpt_root, keep_latest)
-        _barrier()
-    except (OSError, CheckpointException) as e:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        fault = _storage_fault(e)
-        if fault is None:
-            raise
-        previous = latest_checkpoint(ckpt_root)
-        raise storage_error(fault, f"saving checkpoint step-{step} to {ckpt_root}; the partial save was "
-                                   f"removed and the last complete checkpoint is "
-                                   f"{previous or 'none'}") from None
-    return final
-
-
-def _writer_of(relative_path: str) -> int:
-    """The rank that wrote a DCP shard file (rank 0 for names without the rank prefix)."""
-    m = _WRITER.match(relative_path)
-    return int(m.group(1)) if m and int(m.group(1)) < _world_size() else 0
-
-
-def _storage_fault(e: BaseException) -> OSError | None:
-    """The OSError behind a save failure (DCP wraps each rank's exception), or None."""
-    if isinstance(e, OSError):
-        return e
-    if isinstance(e, CheckpointException):
-        for exc, _trace in e.failures.values():
-            if isinstance(exc, OSError):
-                return exc
-    return None
-
-
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final`. A checkpoint already there (a re-save of the same step) is moved
-    aside first and deleted last, so a kill in between leaves one of the two complete."""
-    aside = final.parent / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent, files=False)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _prune(ckpt_root: Path, keep_latest: int) -> None:
-    """Delete all but the newest `keep_latest` complete checkpoints (the one just written is the
-    newest, so the newest verified checkpoint is never deleted)."""
-    if keep_latest <= 0:
-        return
-    for _, d in list_checkpoints(ckpt_root)[:-keep_latest]:
-        # Renamed first, so a kill mid-delete leaves a folder the next start removes, never a
-        # half-deleted step-N that looks like a checkpoint.
-        doomed = d.parent / f".del-{d.name}"
-        os.rename(d, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+def state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint holds, as DCP state: the trainable weights, the optimizer's tensors and
+    the generators (live tensors: save or stage them before the next step changes them)."""
+    return {"model": get_model_state_dict(model, options=_TRAINABLE),
+            "optim": _tensor_items(get_optimizer_state_dict(model, optimizer, options=_FLAT)),
+            "rng": rng_states(_device_of(model))}
 
 
 def remove_stale_temporaries(ckpt_root: Path) -> None:
@@ -216,18 +127,6 @@ def remove_stale_temporaries(ckpt_root: Path) -> None:
         for d in ckpt_root.glob(".del-step-*"):  # pruning was interrupted
             shutil.rmtree(d, ignore_errors=True)
     _barrier()
-
-
-def _fsync_dir(path: Path, files: bool = True) -> None:
-    for f in path.iterdir() if files and path.is_dir() else ():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- verifying and loading -------------------------------------------------------------------

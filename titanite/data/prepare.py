@@ -28,7 +28,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from titanite.data.tokenizer import Tokenizer, load_tokenizer
 from titanite.errors import UserError
 from titanite.files import is_within
 from titanite.kernels.reference_ops import IGNORE_INDEX
+from titanite.procs import forkserver_context
 
 log = logging.getLogger("titanite")
 
@@ -158,11 +158,11 @@ def _mapper(cfg: DataConfig, tokenizer: Tokenizer, workers: int):
             _WORKER.clear()
         return
     # Workers fork from a server process started once with this module imported: each starts in
-    # milliseconds, and none inherits the threads of this one (the tokenizer's, torch's).
+    # milliseconds, and none inherits the threads of this one (the tokenizer's, torch's). The
+    # server dies with this process and the workers with the server, however this one dies.
     if kind(cfg) == "chat":
         load_chat_template(cfg, tokenizer)  # a missing or broken template: its message, here
-    context = get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context = forkserver_context([__name__])
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
                                  initargs=(cfg, str(tokenizer.path))) as pool:

@@ -104,20 +104,20 @@ def exit_process(code: int) -> NoReturn:
     sys.exit(code)
 
 
-def gather_texts(text: str) -> list[str]:
-    """Every rank's `text`, in rank order, on every rank of the default group (one rank: [text]).
-    Sent as bytes in CPU tensors: nothing is pickled."""
+def gather_texts(text: str, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank of `group` (default: the default group;
+    one rank: [text]). Sent as bytes in CPU tensors: nothing is pickled."""
     if not dist.is_initialized():
         return [text]
     raw = text.encode()
     data = torch.tensor(list(raw), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(raw)], dtype=torch.int64))
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([len(raw)], dtype=torch.int64), group=group)
     width = max(int(n) for n in sizes)
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: len(raw)] = data
     bufs = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(bufs, padded)
+    dist.all_gather(bufs, padded, group=group)
     return [bytes(b[: int(n)].tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
 
 
