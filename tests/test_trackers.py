@@ -53,11 +53,11 @@ def jsonl_series(out: Path) -> dict[str, dict[int, float]]:
     return series
 
 
-def assert_same_series(got: dict[str, dict[int, float]], out: Path, rel: float = 0.0) -> None:
+def assert_same_series(got: dict[str, dict[int, float]], out: Path, rel: float = 0.0, steps: int = 5) -> None:
     want = jsonl_series(out)
     assert sorted(got) == sorted(want)
     assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}
-    assert set(want["loss"]) == {1, 2, 3, 4, 5}
+    assert set(want["loss"]) == set(range(1, steps + 1))
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=rel), k
 
@@ -109,6 +109,19 @@ def test_mlflow_file_store_and_resume(tmp_path, tiny_hf, tiny_data):
     assert run.data.params["training.steps"] == "3" and run.data.params["job.output_dir"] == str(out)
     got = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in run.data.metrics}
     assert_same_series(got, out)
+
+
+def test_two_ranks_track_one_run_from_rank_zero(tmp_path, tiny_hf, tiny_data):
+    """Under torchrun only rank 0 opens the tracker: one MLflow run, holding metrics.jsonl's rows."""
+    from tests.test_distributed import torchrun
+
+    out = tmp_path / "run"
+    torchrun(2, tiny_train_args(tiny_hf, tiny_data, out, steps=3, **{
+        "metrics.trackers": '["mlflow"]', "checkpoint.interval": 0, "training.batch_size": 2}))
+    client, runs = mlflow_runs(out)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    got = {k: {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, k)} for k in runs[0].data.metrics}
+    assert_same_series(got, out, steps=3)
 
 
 # -- W&B ---------------------------------------------------------------------------------------
