@@ -50,10 +50,10 @@ def test_mfu_is_never_reported_above_100_percent(tmp_path, tiny_hf, tiny_data, m
     trainer = Trainer(load_config(None, tiny_train_args(tiny_hf, tiny_data, tmp_path / "run", steps=2)))
     trainer.close()
     fast = trainer.flops_per_token * 1000  # FLOP/s achieved at 1000 tokens/s
-    trainer.peak = devices.Peak(fast / 2, "metrics.peak_tflops" if peak == "configured" else "measured")
+    trainer.mfu.peak = devices.Peak(fast / 2, "metrics.peak_tflops" if peak == "configured" else "measured")
     monkeypatch.setattr(devices, "measured_peak", lambda *a, **kw: devices.Peak(fast * 4, "measured"))
     with caplog.at_level(logging.WARNING, logger="titanite"):
-        mfu = trainer._mfu(1000.0)
+        mfu = trainer.mfu(1000.0)
     if expected == "null":
         assert mfu is None and "left out (null)" in caplog.text
         # ...and the progress line still prints (it crashed on a null mfu)

@@ -13,9 +13,13 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from titanite import device as devices
 from titanite.config import Config, MetricsConfig
 from titanite.trackers import Trackers
 
@@ -104,3 +108,48 @@ def _memory(row: dict[str, Any]) -> str:
     if "device_peak_alloc_gib" in row and row["device_peak_alloc_gib"] is None:
         return f"n/a (host {row['host_peak_rss_gib']:.1f}GiB)"
     return f"{row.get('mem_gib', 0):.1f}GiB"
+
+
+class Mfu:
+    """Model FLOPs utilisation of `ranks` ranks against the device peak, never above 1: an
+    achieved rate above a measured peak means the measurement was disturbed, so it is measured
+    again (the larger value kept); above a configured or tabled peak, or still above, the field is
+    left empty (null), with a warning."""
+
+    def __init__(self, peak: devices.Peak, flops_per_token: float, ranks: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.peak, self.flops_per_token, self.ranks, self.device, self.dtype = peak, flops_per_token, ranks, device, dtype
+        self._remeasured = self._dropped = False
+
+    def __call__(self, tokens_per_sec: float) -> float | None:
+        mfu = self.flops_per_token * tokens_per_sec / (self.peak.flops * self.ranks)
+        if mfu <= 1.0:
+            return mfu
+        if self.peak.source.startswith("measured") and not self._remeasured:
+            self._remeasured = True
+            self.peak = devices.measured_peak(self.device, self.dtype, refresh=True)
+            log.warning("achieved FLOP/s exceeded the measured peak: measured again, now %s", self.peak.describe())
+            return self(tokens_per_sec)
+        if not self._dropped:
+            self._dropped = True
+            log.warning("achieved %.3g FLOP/s per rank exceeds the device peak %s: mfu is left out (null); set "
+                        "metrics.peak_tflops to this device's real peak",
+                        self.flops_per_token * tokens_per_sec / self.ranks, self.peak.describe())
+        return None
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's numbers, as device tensors: read on the host only when logged."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    aux_loss: torch.Tensor | None
+    stats: dict[str, torch.Tensor]
+
+    def read(self) -> dict[str, float]:
+        """Every number, in one host transfer."""
+        named = {"loss": self.loss, "grad_norm": self.grad_norm,
+                 **({"aux_loss": self.aux_loss} if self.aux_loss is not None else {}), **self.stats}
+        values = torch.stack([torch.as_tensor(v, device=self.loss.device).float() for v in named.values()])
+        return dict(zip(named, values.tolist(), strict=True))

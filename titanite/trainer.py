@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from titanite.data.loader import make_loader
 from titanite.data.prefetch import Prefetcher
 from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator, eval_due
-from titanite.metrics import MetricsLogger
+from titanite.metrics import MetricsLogger, Mfu, StepResult
 from titanite.kernels import IGNORE_INDEX
 from titanite.lora import adapter as lora_adapter
 from titanite.models.handle import TrainOutput
@@ -44,23 +43,6 @@ from titanite.runlock import RunLock
 
 log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
-
-
-@dataclass
-class StepResult:
-    """One optimizer step's numbers, as device tensors: read on the host only when logged."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    aux_loss: torch.Tensor | None
-    stats: dict[str, torch.Tensor]
-
-    def read(self) -> dict[str, float]:
-        """Every number, in one host transfer."""
-        named = {"loss": self.loss, "grad_norm": self.grad_norm,
-                 **({"aux_loss": self.aux_loss} if self.aux_loss is not None else {}), **self.stats}
-        values = torch.stack([torch.as_tensor(v, device=self.loss.device).float() for v in named.values()])
-        return dict(zip(named, values.tolist(), strict=True))
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -125,11 +107,11 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if cfg.training.mixed_precision == "bf16" else contextlib.nullcontext())
         self.compute_dtype = ready.compute_dtype
-        self.peak = devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops)
-        self._peak_remeasured = self._mfu_dropped = False
+        self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
+        self.mfu = Mfu(devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops),
+                       self.flops_per_token, self.world.size, self.device, ready.compute_dtype)
         if ready.compute_dtype == torch.bfloat16:
             devices.warn_if_slow_bf16(self.device)
-        self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
         if self.rank == 0:  # the first file a run writes, once everything it needs has loaded
             (self.out / "config.toml").write_text(self.config_toml)
         self.metrics = MetricsLogger(self.out, cfg.metrics, cfg.training.steps, self.rank)
@@ -139,7 +121,7 @@ class Trainer:
         n = self.handle.num_params()
         log.info("model %s: %.2fM parameters (%d stored on this rank), %s, %d-step grad accumulation, "
                  "device %s, peak %s", cfg.model.spec, n / 1e6, distributed.local_numel(self.model),
-                 cfg.training.mixed_precision, self.accum, self.device, self.peak.describe())
+                 cfg.training.mixed_precision, self.accum, self.device, self.mfu.peak.describe())
 
     def close(self, remove_empty_output: bool = False) -> None:
         """Release the output folder's lock (train() does this itself; call it after driving
@@ -232,7 +214,7 @@ class Trainer:
                 mem = devices.memory_stats(self.device)
                 self.metrics.log({
                     "step": self.step, "lr": lr_at(cfg.training, self.step - 1), **values,
-                    "tokens_per_sec": tps, "mfu": self._mfu(tps),
+                    "tokens_per_sec": tps, "mfu": self.mfu(tps),
                     "mem_gib": mem.get("device_peak_alloc_gib") or mem["host_peak_rss_gib"],
                     **mem, "tokens_seen": tokens_per_step * self.step,
                     **self.loader.data_metrics(), **eval_row,
@@ -297,25 +279,6 @@ class Trainer:
         self.finite.note_weights(self.step + 1, self.model.parameters())
         self.handle.after_optimizer_step(self.world.all_reduce_sum)
         return StepResult(total, grad_norm, aux_total, stats)
-
-    def _mfu(self, tokens_per_sec: float) -> float | None:
-        """Model FLOPs utilisation, never above 1: an achieved rate above a measured peak means
-        the measurement was disturbed, so it is measured again (the larger value kept); above a
-        configured or tabled peak, or still above, the field is left empty (null), with a warning."""
-        mfu = self.flops_per_token * tokens_per_sec / (self.peak.flops * self.world.size)
-        if mfu <= 1.0:
-            return mfu
-        if self.peak.source.startswith("measured") and not self._peak_remeasured:
-            self._peak_remeasured = True
-            self.peak = devices.measured_peak(self.device, self.compute_dtype, refresh=True)
-            log.warning("achieved FLOP/s exceeded the measured peak: measured again, now %s", self.peak.describe())
-            return self._mfu(tokens_per_sec)
-        if not self._mfu_dropped:
-            self._mfu_dropped = True
-            log.warning("achieved %.3g FLOP/s per rank exceeds the device peak %s: mfu is left out (null); set "
-                        "metrics.peak_tflops to this device's real peak",
-                        self.flops_per_token * tokens_per_sec / self.world.size, self.peak.describe())
-        return None
 
     def _stop_if_nonfinite(self, before_save: bool) -> None:
         """Exit 3 when the watch recorded a non-finite step, or, before a save, when any
