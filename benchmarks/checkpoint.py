@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine
+from common import add_model_args, machine
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -100,13 +100,7 @@ def finite_check_s(trainer) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="hidden 256, 2 layers, MLP 768")
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=3072)
-    p.add_argument("--layers", type=int, default=7, help="7: 399.3M parameters at the other defaults")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--saves", type=int, default=2, help="saves per mode, idle (the first allocates the host copy)")
     p.add_argument("--modes", nargs="+", default=["off", "async", "async_pinned"])
     p.add_argument("--root", default=None, help="where the checkpoints go (default: a temporary folder)")

@@ -53,3 +53,15 @@ def mark_phases(trainer_module, phase: list[str]) -> None:
     finite = trainer_module.FiniteWatch
     finite.note_weights = enter("weights check", finite.note_weights)
     Trainer._save = enter("save", Trainer._save)
+
+
+def add_model_args(parser) -> None:
+    """The benchmarks' Qwen3 shape flags; the defaults give the ~400M model (399.3M parameters
+    untied) the start-up and checkpoint tables are measured on."""
+    parser.add_argument("--vocab", type=int, default=151936, help="must exceed the Qwen3 tokenizer's largest id, 151,668")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--layers", type=int, default=7, help="7: 399.3M parameters at the other defaults")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)

@@ -48,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import machine, mark_phases
+from common import add_model_args, machine, mark_phases
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -262,13 +262,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="hidden 512, 2 layers, MLP 1536, 1 and 2 ranks")
     p.add_argument("--ranks", type=int, nargs="+", help="world sizes (default 1 2 4 8; --quick: 1 2)")
     p.add_argument("--inits", nargs="+", default=["random", "pretrained"], choices=("random", "pretrained"))
-    p.add_argument("--vocab", type=int, default=151936, help="must exceed the Qwen3 tokenizer's largest id, 151,668")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=3072)
-    p.add_argument("--layers", type=int, default=7, help="7: 399.3M parameters at the other defaults")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--steps", type=int, default=1, help="training steps per run")
     p.add_argument("--estimate-check", action="store_true",
