@@ -1,6 +1,6 @@
 """titanite's test device (tests only): `pip install --no-build-isolation tests/device`.
 
-It registers no `torch.backends` entry point, so PyTorch never autoloads it: tests import
+It declares no entry points at all, so PyTorch's device autoload never loads it: tests import
 `titanite_testdev` explicitly, and another PrivateUse1 backend stays free to load.
 """
 
