@@ -17,11 +17,13 @@ from typing import Any
 from titanite.config_checks import validate
 from titanite.config_schema import (DEFAULT_SHARD_MB, LORA_ALL, CheckpointConfig, Config, DataConfig, EvalConfig,
                                     JobConfig, KernelsConfig, LoraConfig, MetricsConfig, ModelConfig,
-                                    ParallelismConfig, TRACKERS, TrainingConfig, coerce)
+                                    PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, ParallelismConfig, PreferenceConfig,
+                                    TRACKERS, TrainingConfig, coerce)
 from titanite.errors import UserError, did_you_mean
 
 __all__ = ["DEFAULT_SHARD_MB", "LORA_ALL", "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "JobConfig",
-           "KernelsConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelismConfig", "TRACKERS", "TrainingConfig",
+           "KernelsConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "PREFERENCE_LOSSES",
+           "REFERENCE_FREE_LOSSES", "ParallelismConfig", "PreferenceConfig", "TRACKERS", "TrainingConfig",
            "help_text", "load_config", "to_dict", "to_toml"]
 
 

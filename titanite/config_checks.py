@@ -8,7 +8,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from titanite.config_schema import TRACKERS, Config, DataConfig, coerce
+from titanite.config_schema import REFERENCE_FREE_LOSSES, TRACKERS, Config, DataConfig, coerce
 from titanite.errors import UserError, did_you_mean
 
 
@@ -79,6 +79,51 @@ def validate(cfg: Config) -> None:
     if not cfg.job.output_dir:
         raise UserError("config key 'job.output_dir' must not be empty")
     validate_lora(cfg)
+    validate_preference(cfg)
+
+
+def validate_preference(cfg: Config) -> None:
+    """training.objective = 'dpo' and its [preference] section, with data.format = 'preference'."""
+    pr, fmt = cfg.preference, cfg.data.format
+    if cfg.training.objective != "dpo":
+        if fmt == "preference":
+            raise UserError("config key 'data.format' is 'preference' but training.objective is "
+                            f"{cfg.training.objective!r}: preference pairs train with training.objective = 'dpo'")
+        return
+    if fmt != "preference":
+        raise UserError(f"config key 'training.objective' is 'dpo' but data.format is {fmt!r}: DPO trains on "
+                        "preference pairs (rows of prompt, chosen, rejected); set data.format = 'preference'")
+    if cfg.data.sources or cfg.data.streaming or cfg.data.dataset_name:
+        raise UserError("training.objective = 'dpo' reads one prepared preference source from data.path; "
+                        "data.sources, data.streaming and data.dataset_name are for the 'lm' objective")
+    if pr.beta <= 0:
+        raise UserError(f"config key 'preference.beta' must be > 0, got {pr.beta}")
+    if pr.loss_type == "robust" and not 0 <= pr.label_smoothing < 0.5:
+        raise UserError(f"config key 'preference.label_smoothing' must be in [0, 0.5) for loss_type 'robust' "
+                        f"(the probability that a label is flipped), got {pr.label_smoothing}")
+    if pr.loss_type == "exo_pair" and not 0 < pr.label_smoothing < 1:
+        raise UserError(f"config key 'preference.label_smoothing' must be in (0, 1) for loss_type 'exo_pair' "
+                        f"(EXO's epsilon; 1e-3 is typical), got {pr.label_smoothing}")
+    if not 0 <= pr.label_smoothing < 1:
+        raise UserError(f"config key 'preference.label_smoothing' must be in [0, 1), got {pr.label_smoothing}")
+    if pr.discopop_tau <= 0:
+        raise UserError(f"config key 'preference.discopop_tau' must be > 0, got {pr.discopop_tau}")
+    if pr.sft_weight < 0:
+        raise UserError(f"config key 'preference.sft_weight' must be >= 0, got {pr.sft_weight}")
+    for key in ("max_prompt_length", "max_completion_length"):
+        if getattr(cfg.data, key) < 0:
+            raise UserError(f"config key 'data.{key}' must be >= 0, got {getattr(cfg.data, key)}")
+    needs_reference = pr.loss_type not in REFERENCE_FREE_LOSSES
+    if pr.reference == "none" and needs_reference:
+        raise UserError(f"config key 'preference.reference' is 'none', but loss_type {pr.loss_type!r} compares the "
+                        "policy with a reference; set preference.reference = 'model' or 'precomputed', or use a "
+                        f"reference-free loss ({', '.join(map(repr, REFERENCE_FREE_LOSSES))})")
+    if pr.reference_path and not needs_reference:
+        raise UserError(f"config key 'preference.reference_path' is set, but loss_type {pr.loss_type!r} uses no "
+                        "reference; leave it empty")
+    if cfg.data.packing == "documents" or cfg.data.packing == "stream":
+        raise UserError(f"config key 'data.packing' is {cfg.data.packing!r}: preference pairs are one sequence per "
+                        "row (chosen, then rejected); leave data.packing = 'auto' or set 'pad'")
 
 
 def validate_trackers(cfg: Config) -> None:

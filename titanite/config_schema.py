@@ -66,6 +66,8 @@ class TrainingConfig:
     beta2: float = _f(0.95, "AdamW beta2.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    objective: str = _f("lm", "'lm' (next-token cross-entropy on the labelled tokens) or 'dpo' (preference optimisation on chosen/rejected pairs: data.format = 'preference' and the [preference] section; training.batch_size counts pairs).",
+                        choices=("lm", "dpo"))
 
 
 @dataclass
@@ -73,8 +75,8 @@ class DataConfig:
     path: str = _f("", "Local data: a .txt/.jsonl/.parquet file, a folder of them, a datasets save_to_disk folder, or '<stdlib>' (this Python's standard library sources).")
     dataset_name: str = _f("", "A datasets hub name to load instead of path (needs network; only fetched when you set this).")
     split: str = _f("train", "Split for datasets folders and hub datasets.")
-    format: str = _f("auto", "'auto' (by file suffix), 'text', 'jsonl', 'parquet', 'dataset', or 'chat' (conversations: JSON lines, parquet or a datasets folder whose rows hold data.messages_field, rendered with the tokenizer's chat template).",
-                     choices=("auto", "text", "jsonl", "parquet", "dataset", "chat"))
+    format: str = _f("auto", "'auto' (by file suffix), 'text', 'jsonl', 'parquet', 'dataset', 'chat' (conversations: JSON lines, parquet or a datasets folder whose rows hold data.messages_field, rendered with the tokenizer's chat template) or 'preference' (rows of prompt, chosen and rejected, as TRL's standard or conversational preference data; for training.objective = 'dpo').",
+                     choices=("auto", "text", "jsonl", "parquet", "dataset", "chat", "preference"))
     glob: str = _f("", "When path is a folder: file pattern to read (default by format, e.g. '**/*.txt').")
     max_files: int = _f(0, "Read at most this many files (sorted order); 0 = all.")
     text_field: str = _f("text", "Field holding the document text in JSON lines, parquet and datasets rows.")
@@ -97,6 +99,10 @@ class DataConfig:
     cache_dir: str = _f("", "Folder of token stores: each source is tokenized once into a memory-mapped store there, keyed by its files and the tokenizer, and reused by later runs and every rank. Empty = $XDG_CACHE_HOME/titanite/tokens (~/.cache/titanite/tokens). `titanite data prepare` fills it ahead of time, in parallel.")
     on_malformed: str = _f("error", "chat: a row that is not JSON, lacks messages, has an unknown role, no assistant turn or special tokens in its text: 'error' (stop, naming file and line) or 'skip' (counted in metrics).",
                            choices=("error", "skip"))
+    max_prompt_length: int = _f(0, "preference: cut prompts to their last this-many tokens before max_length applies (0 = no limit).")
+    max_completion_length: int = _f(0, "preference: cut chosen and rejected completions to their first this-many tokens before max_length applies (0 = no limit).")
+    truncation_mode: str = _f("keep_start", "preference: how a prompt + completion longer than data.seq_len (TRL's max_length) is cut: 'keep_start' (TRL's default: the first seq_len tokens; a pair whose prompt alone fills seq_len is malformed, see on_malformed) or 'keep_end' (the last seq_len tokens).",
+                              choices=("keep_start", "keep_end"))
 
 
 @dataclass
@@ -137,6 +143,25 @@ class LoraConfig:
     init: str = _f("kaiming", "Adapter init: B = 0 and A Kaiming-uniform ('kaiming', peft's default) or A normal with std 1/rank ('gaussian'). Drawn per adapter from job.seed and its name, so every layout and both backends start from the same adapters.",
                    choices=("kaiming", "gaussian"))
     adapter_path: str = _f("", "Start the adapters from this peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's adapter/) instead of the init. It must be an adapter of model.hf_path's architecture, with this section's rank and target_modules.")
+
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+                     "apo_zero", "apo_down", "discopop", "sigmoid_norm", "simpo")
+REFERENCE_FREE_LOSSES = ("simpo",)
+
+
+@dataclass
+class PreferenceConfig:
+    beta: float = _f(0.1, "How far the policy may move from the reference (TRL's beta; for 'ipo' the regulariser tau, for 'simpo' the reward scale).")
+    loss_type: str = _f("sigmoid", "The per-pair loss, as TRL 1.16 defines it: 'sigmoid' (DPO), 'ipo', 'hinge', 'robust' (with label_smoothing), 'exo_pair' (with label_smoothing), 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop' (with discopop_tau), 'sigmoid_norm' (length-normalised DPO), or the reference-free 'simpo' (length-normalised log-probabilities with the margin simpo_gamma, as TRL's CPOTrainer with loss_type='simpo').",
+                        choices=PREFERENCE_LOSSES)
+    label_smoothing: float = _f(0.0, "'robust': the probability that a preference label is flipped, in [0, 0.5); 'exo_pair': the epsilon of EXO, in (0, 1); 'simpo': the label smoothing of CPO's sigmoid loss.")
+    simpo_gamma: float = _f(0.5, "'simpo': the target reward margin gamma (TRL's simpo_gamma).")
+    discopop_tau: float = _f(0.05, "'discopop': the temperature of the log-ratio modulation.")
+    reference: str = _f("model", "The reference policy: 'model' (a frozen copy held during training, by default the policy's starting weights, or reference_path; with LoRA the base with the adapters switched off, no second copy), 'precomputed' (its log-probabilities computed once before training and kept beside the token store, so it takes no memory while training) or 'none' (reference-free losses: 'simpo').",
+                        choices=("model", "precomputed", "none"))
+    reference_path: str = _f("", "A Hugging Face folder holding the reference's weights (same architecture and tokenizer as the policy); empty = the policy's starting weights (with LoRA: the base with the adapters switched off). With LoRA, setting it holds that model as a separate frozen copy.")
+    sft_weight: float = _f(0.0, "Adds this times the chosen completions' mean token NLL to the loss (TRL's loss_type ['sigmoid', 'sft'] with loss_weights [1, sft_weight], the RPO objective's alpha); 0 = off.")
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # metrics.trackers' names
@@ -185,6 +210,7 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
 
 def coerce(key: str, value: Any, typ: Any) -> Any:

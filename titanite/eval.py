@@ -25,7 +25,7 @@ from torch import nn
 
 from titanite.config import Config
 from titanite.data.mixture import eval_data_config
-from titanite.data.packing import SampleWindows, StreamWindows, pack, packing_mode
+from titanite.data.packing import PairWindows, SampleWindows, StreamWindows, pack, packing_mode
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 from titanite.kernels import IGNORE_INDEX
@@ -62,7 +62,9 @@ class Evaluator:
         assert e.path, "Evaluator needs eval.path"
         self.interval, self.total_steps = e.interval, cfg.training.steps
         data = eval_data_config(cfg)  # read as the training data is, with its packing
-        self.windows: StreamWindows | SampleWindows = pack(data, tokenizer, packing_mode(cfg.data)).windows
+        packed = pack(data, tokenizer, packing_mode(cfg.data))
+        self.windows: StreamWindows | SampleWindows | PairWindows = packed.windows
+        self.store = packed.store
         if len(self.windows) == 0:
             raise UserError(f"eval.path = {e.path!r} has fewer than data.seq_len + 1 = "
                             f"{data.seq_len + 1} tokens: not one sequence to evaluate on")
@@ -89,6 +91,9 @@ class Evaluator:
             batch = self.windows.batch(np.minimum(idx, n - 1))
             # Rows past the end repeat the last window with no labels: they cost a forward but
             # add nothing to the loss or the token count.
+            if "pair_index" in batch:  # preference pairs: B chosen rows, then B rejected rows
+                batch["pair_valid"] = valid
+                valid = torch.cat([valid, valid])
             batch["labels"] = torch.where(valid[:, None], batch["labels"], IGNORE_INDEX)
             out.append(batch)
         return out

@@ -52,6 +52,7 @@ from titanite.models.handle import ModelHandle
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.spec import get_spec
 from titanite.parallel.mesh import ParallelDims
+from titanite.preference.reference import check_reference, reference_model_config
 from titanite.runlock import check_free
 
 log = logging.getLogger("titanite")
@@ -72,6 +73,8 @@ class Prepared:
     tokenizer: Tokenizer
     weights: str | None  # the HF folder to load when not resuming; None = random init
     grad_accum: int
+    reference: ModelHandle | None = None  # preference training's separate reference model (meta)
+    reference_weights: str | None = None  # the folder it loads; None = the seeded init
 
 
 def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
@@ -94,7 +97,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
         raise UserError(f"config key 'data.seq_len' ({cfg.data.seq_len}) exceeds the model's "
                         f"max_position_embeddings ({max_pos}); lower data.seq_len")
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    handle.attach_kernels(choose_loss(cfg, handle, device), device.type, compute_dtype)
+    kernels_cfg = choose_loss(cfg, handle, device)
+    handle.attach_kernels(kernels_cfg, device.type, compute_dtype)
     check_layout(dims, handle)
     # A run that will resume reads its weights from the checkpoint, not from model.hf_path; a
     # LoRA run's checkpoints hold only the adapters, so its base is always read.
@@ -107,13 +111,18 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     check_vocab(tokenizer, hf_config["vocab_size"])
     check_data_stores(cfg, tokenizer, hf_config["vocab_size"])
+    reference, reference_weights = None, None
+    if reference_model_config(cfg) is not None:  # preference training with a separate reference model
+        reference, reference_weights = check_reference(cfg, handle, kernels_cfg, device.type, compute_dtype,
+                                                       tokenizer, weights_to_load(cfg.model))
     if cfg.eval.tasks:
         check_eval_tasks(cfg)
     if packing_mode(cfg.data) == "documents" and not handle.supports_document_masks:
         raise UserError(f"data.packing = 'documents' needs attention that stays inside each packed "
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
                         "data.packing = 'pad' (one sample per sequence)")
-    return Prepared(cfg, device, compute_dtype, dims, handle, tokenizer, weights, grad_accum)
+    return Prepared(cfg, device, compute_dtype, dims, handle, tokenizer, weights, grad_accum, reference,
+                    reference_weights)
 
 
 # `loss = "auto"` chooses the chunked loss when one micro-batch's fp32 logits would take more than

@@ -24,7 +24,6 @@ from titanite import lora
 from titanite.checkpoint import training_state
 from titanite.checkpoint.saving import Saver
 from titanite.checkpoint.finite import FiniteWatch, all_finite, first_nonfinite, optimizer_tensors
-from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config, to_toml
 from titanite.data.loader import make_loader
 from titanite.data.prefetch import Prefetcher
@@ -38,8 +37,10 @@ from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
 from titanite.parallel.grad_norm import clip_grad_norm_
 from titanite.parallel.plans import parallelize
+from titanite.preference.objective import build_objective
 from titanite.preflight import Prepared, preflight
 from titanite.runlock import RunLock
+from titanite import run_export
 
 log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
@@ -77,8 +78,8 @@ class Trainer:
         self.world = distributed.init(self.device, cfg.parallelism)
         self.saver = Saver(cfg.checkpoint.async_mode, self.device, cfg.parallelism.collective_timeout_s)
         self.config_toml = to_toml(cfg)
-        self.loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
-                                  rank=self.world.dp_rank, world_size=self.world.dp_size)
+        self.loader = base_loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
+                                                rank=self.world.dp_rank, world_size=self.world.dp_size)
         if cfg.data.prefetch:
             pin = devices.has_pinned_memory(self.device.type)
             self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=pin)
@@ -108,6 +109,10 @@ class Trainer:
                          if cfg.training.mixed_precision == "bf16" else contextlib.nullcontext())
         self.compute_dtype = ready.compute_dtype
         self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
+        self.preference = (build_objective(cfg, ready, self.world, self.device, self.autocast, base_loader,
+                                           self.evaluator) if cfg.training.objective == "dpo" else None)
+        if self.preference is not None and self.preference.runs_reference:
+            self.flops_per_token *= 4 / 3  # the reference's forward: a third of a training step's work
         self.mfu = Mfu(devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops),
                        self.flops_per_token, self.world.size, self.device, ready.compute_dtype)
         if ready.compute_dtype == torch.bfloat16:
@@ -190,7 +195,8 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg = self.cfg
-        tokens_per_step = cfg.training.batch_size * cfg.data.seq_len * self.accum * self.world.dp_size
+        tokens_per_step = ((2 if self.preference else 1) * cfg.training.batch_size * cfg.data.seq_len  # a pair: 2 rows
+                           * self.accum * self.world.dp_size)
         window_start, window_steps = time.perf_counter(), 0
         devices.reset_peak_memory(self.device)
         while self.step < cfg.training.steps:
@@ -235,24 +241,42 @@ class Trainer:
         self._finish(save=True)
 
     def train_step(self) -> StepResult:
-        """One optimizer step over `accum` micro-batches; loss is normalised by the number of
-        valid label tokens in the whole step (all micro-batches, all data-parallel ranks).
-
-        Nothing is read on the host: the numbers stay on the device (StepResult.read is the
-        logging step's one transfer). A non-finite loss or gradient norm is recorded by the
-        watch and its update skipped on the device (the fused optimizer's found_inf), so the
-        weights stay finite until the next log or save step stops the run."""
+        """One optimizer step over `accum` micro-batches of the objective (_accumulate, or
+        titanite/preference). Nothing is read on the host (StepResult.read is the logging step's
+        one transfer): a non-finite loss or gradient norm is recorded by the watch and its update
+        skipped on the device (found_inf), so the weights stay finite until a log or save stops the run."""
         batches = [self.loader.next_batch() for _ in range(self.accum)]
+        self.model.train()
+        dropout = self.handle.lora is not None and self.cfg.lora.dropout > 0
+
+        def seed_dropout(micro: int) -> None:  # masks from (seed, step, micro-batch, rank): exact on resume, any device
+            if dropout:
+                torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, self.world.dp_rank))
+
+        accumulate = self.preference.accumulate if self.preference is not None else self._accumulate
+        total, aux_total, stats = accumulate(batches, seed_dropout)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf)
+        ok = torch.isfinite(total) & torch.isfinite(grad_norm)
+        self.finite.note_update(self.step + 1, ok, total, grad_norm)
+        set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
+        self.optimizer.found_inf = (~ok).float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.finite.note_weights(self.step + 1, self.model.parameters())
+        self.handle.after_optimizer_step(self.world.all_reduce_sum)
+        return StepResult(total, grad_norm, aux_total, stats)
+
+    def _accumulate(self, batches: list[dict[str, torch.Tensor]], seed_dropout: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The language-model objective's forwards and backwards over one step's micro-batches; the
+        loss is normalised by the valid label tokens of the whole step (all micro-batches and ranks)."""
         n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
         n_valid = self.world.all_reduce_sum_dp(n_valid.to(self.device, torch.float32)).clamp_min(1)
         total = torch.zeros((), device=self.device)
         aux_total: torch.Tensor | None = None
         stats: dict[str, torch.Tensor] = {}
-        self.model.train()
-        dropout = self.handle.lora is not None and self.cfg.lora.dropout > 0
         for micro, b in enumerate(batches):
-            if dropout:  # masks from (seed, step, micro-batch, rank): exact on resume, any device
-                torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, self.world.dp_rank))
+            seed_dropout(micro)
             with self.world.loss_parallel():  # vocab-sharded logits under tensor parallel
                 out, loss_sum = self._forward(b)
                 loss = loss_sum / n_valid
@@ -269,16 +293,7 @@ class Trainer:
         total = self.world.all_reduce_sum_dp(total)
         if aux_total is not None:
             aux_total = self.world.all_reduce_sum_dp(aux_total)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf)
-        ok = torch.isfinite(total) & torch.isfinite(grad_norm)
-        self.finite.note_update(self.step + 1, ok, total, grad_norm)
-        set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
-        self.optimizer.found_inf = (~ok).float()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.finite.note_weights(self.step + 1, self.model.parameters())
-        self.handle.after_optimizer_step(self.world.all_reduce_sum)
-        return StepResult(total, grad_norm, aux_total, stats)
+        return total, aux_total, stats
 
     def _stop_if_nonfinite(self, before_save: bool) -> None:
         """Exit 3 when the watch recorded a non-finite step, or, before a save, when any
@@ -327,7 +342,9 @@ class Trainer:
                 return self._forward(b)[1]
 
         row: dict[str, float] = {}
-        if self.evaluator is not None:
+        if self.evaluator is not None and self.preference is not None:
+            row |= self.preference.evaluate(self.evaluator.batches())
+        elif self.evaluator is not None:
             row |= self.evaluator.run(self.model, loss_sum, self.world.all_reduce_sum_dp, self.device)
         if self.benchmarks is not None:
             row |= self.benchmarks.run(self.model)
@@ -375,23 +392,9 @@ class Trainer:
             self.export(self.out / "hf", merged=True)
 
     def export_adapter(self, out: Path) -> None:
-        """The adapters in peft's format (titanite/lora/adapter.py)."""
-        factors = self.handle.adapter_factors(distributed.full_tensor)  # a collective per target, every rank
-        if self.rank == 0:
-            lora_adapter.write_adapter(out, factors, self.handle.lora.cfg, self.cfg.model.hf_path,
-                                       self.lora_record["lora_base"])
-            log.info("exported the LoRA adapter (peft format) to %s", out)
-        else:
-            for _ in factors:
-                pass
+        """The adapters in peft's format (titanite/lora/adapter.py); every rank takes part."""
+        run_export.adapter(self.handle, self.cfg, self.lora_record, out, self.rank)
 
     def export(self, out: Path, merged: bool = False) -> None:
-        tensors = self.handle.hf_state_dict(distributed.regions_to_rank_zero, merged=merged)
-        config = self.handle.hf_config()
-        if self.rank == 0:
-            export_hf(tensors, config, out, self.cfg.checkpoint.export_shard_mb,
-                      source_folders=[self.cfg.model.hf_path], tokenizer_files=self.tokenizer.files)
-            log.info("exported Hugging Face model to %s", out)
-        else:
-            for _ in tensors:  # every rank takes part in the gathers (it holds meta stand-ins)
-                pass
+        """The Hugging Face folder (with `merged`, a LoRA run's adapters folded in); every rank takes part."""
+        run_export.model(self.handle, self.cfg, self.tokenizer, out, self.rank, merged)

@@ -93,7 +93,8 @@ class PackedLoader:
 
     def fill(self) -> float:
         """Fraction of window positions that hold sample tokens rather than padding."""
-        return self.num_tokens / max(1, self.num_windows * self.seq_len)
+        rows = self.sample_stats.windows if self.sample_stats is not None else self.num_windows
+        return self.num_tokens / max(1, rows * self.seq_len)
 
     def data_metrics(self) -> dict[str, float]:
         """Counts for metrics.jsonl in the sample layouts (what was cut, dropped or skipped)."""

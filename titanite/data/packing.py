@@ -36,7 +36,9 @@ from titanite.errors import UserError
 
 def packing_mode(cfg: DataConfig) -> str:
     """data.packing with 'auto' resolved: 'documents' for chat data (any source of a mixture),
-    'stream' otherwise."""
+    'stream' otherwise; preference data is always 'pairs' (one padded sequence per completion)."""
+    if cfg.format == "preference":
+        return "pairs"
     if cfg.packing != "auto":
         return cfg.packing
     formats = [src.get("format", cfg.format) for src in cfg.sources] or [cfg.format]
@@ -138,6 +140,29 @@ class SampleWindows:
         return out
 
 
+class PairWindows:
+    """The 'pairs' layout of preference data: the store holds each pair as two samples (chosen,
+    rejected), already cut to seq_len when prepared; item i of this layout is pair i."""
+
+    def __init__(self, store: TokenStore, seq_len: int, pad_id: int) -> None:
+        lengths = store.sample_lengths().astype(np.int64)
+        n = len(lengths)
+        assert n % 2 == 0 and (lengths <= seq_len).all(), "a preference store holds pairs cut to seq_len"
+        self.samples = SampleWindows(store, np.arange(n, dtype=np.int64), lengths,
+                                     np.arange(n + 1, dtype=np.int64), seq_len, pad_id, pad=True)
+
+    def __len__(self) -> int:
+        return len(self.samples) // 2
+
+    def batch(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        """Pairs `idx` (B of them) as 2B rows [B chosen, then B rejected], int64 CPU [2B, S]:
+        input_ids, labels, position_ids; and pair_index [B], the pairs' indices in the store."""
+        idx = np.asarray(idx, dtype=np.int64)
+        out = self.samples.batch(np.concatenate([2 * idx, 2 * idx + 1]))
+        out["pair_index"] = torch.from_numpy(idx.copy())
+        return out
+
+
 def plan_sample_windows(store: TokenStore, seq_len: int, mode: str, overlong: str, pad_id: int,
                         stats: SampleStats) -> SampleWindows:
     """Pack the store's samples, in order, into windows of `seq_len` tokens.
@@ -182,7 +207,7 @@ def plan_sample_windows(store: TokenStore, seq_len: int, mode: str, overlong: st
 class Packed:
     """A source's windows, and what reading and packing it kept and left out."""
 
-    windows: StreamWindows | SampleWindows
+    windows: StreamWindows | SampleWindows | PairWindows
     store: TokenStore
     source_stats: SourceStats | ChatStats
     sample_stats: SampleStats | None  # None in the 'stream' layout
@@ -199,6 +224,12 @@ def pack(cfg: DataConfig, tokenizer: Tokenizer, mode: str | None = None) -> Pack
     source_stats = store.source_stats()
     if mode == "stream":
         return Packed(StreamWindows(store.tokens, cfg.seq_len, store), store, source_stats, None, store.num_tokens)
+    if mode == "pairs":
+        if store.kind != "preference":
+            raise UserError(f"data.path: the token store {store.path} holds {store.kind} data, not preference pairs")
+        pairs = PairWindows(store, cfg.seq_len, tokenizer.eos_id)
+        stats = SampleStats(samples=len(pairs), tokens=store.num_tokens, windows=2 * len(pairs))
+        return Packed(pairs, store, source_stats, stats, store.num_tokens)
     stats = SampleStats()
     windows = plan_sample_windows(store, cfg.seq_len, mode, cfg.overlong, tokenizer.eos_id, stats)
     if len(windows) == 0:

@@ -35,6 +35,8 @@ import numpy as np
 
 from titanite.config import DataConfig
 from titanite.data.chat import ChatStats, apply_policy, chat_rows, finish_policy, load_chat_template, tokenize_row
+from titanite.data.chat_template import find_chat_template
+from titanite.data.preference import preference_rows, tokenize_preference_row
 from titanite.data.sources import SourceStats, describe_source, iter_documents
 from titanite.data.store import (MANIFEST, TokenStore, cache_dir, cache_key, check_fresh, fingerprint, is_store,
                                  kind, open_store)
@@ -123,7 +125,12 @@ _WORKER: dict[str, Any] = {}
 
 def _worker_init(cfg: DataConfig, tokenizer: Tokenizer | str) -> None:
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    _WORKER.update(cfg=cfg, tokenizer=tok, template=load_chat_template(cfg, tok) if kind(cfg) == "chat" else None)
+    template = None
+    if kind(cfg) == "chat":
+        template = load_chat_template(cfg, tok)
+    elif kind(cfg) == "preference":  # only conversational rows need one
+        template = find_chat_template(tok.path, cfg.chat_template)
+    _WORKER.update(cfg=cfg, tokenizer=tok, template=template)
 
 
 def _encode_texts(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -144,6 +151,11 @@ def encode_documents(tok: Tokenizer, docs: list[str]) -> tuple[np.ndarray, np.nd
 
 def _encode_rows(rows: list[tuple[str, Any]]) -> list[Any]:
     return [tokenize_row(_WORKER["template"], _WORKER["cfg"], where, row) for where, row in rows]
+
+
+def _encode_pairs(rows: list[tuple[str, Any]]) -> list[Any]:
+    w = _WORKER
+    return [tokenize_preference_row(w["tokenizer"], w["template"], w["cfg"], where, row) for where, row in rows]
 
 
 @contextlib.contextmanager
@@ -235,7 +247,7 @@ def locked_destination(folder: Path) -> Iterator[None]:
 
 
 def _write(cfg: DataConfig, tokenizer: Tokenizer, tmp: Path, workers: int, fp: dict[str, Any]) -> dict[str, Any]:
-    chat = fp["kind"] == "chat"
+    chat = fp["kind"] != "text"  # chat and preference stores: samples with their own labels
     tokens = _ArrayFile(tmp / "tokens.bin", np.int32)
     labels = _ArrayFile(tmp / "labels.bin", np.int32) if chat else None
     lengths: list[np.ndarray] = []
@@ -244,7 +256,11 @@ def _write(cfg: DataConfig, tokenizer: Tokenizer, tmp: Path, workers: int, fp: d
     progress = _Progress(describe_source(cfg))
     stats: SourceStats | ChatStats
     with _mapper(cfg, tokenizer, workers) as mapper:
-        if chat:
+        if fp["kind"] == "preference":
+            stats = ChatStats()
+            results = mapper(_encode_pairs, _chunks(_counted(preference_rows(cfg, stats), stats), _CHUNK_ROWS))
+            blocks = _chat_blocks(cfg, results, stats, pairs=True)
+        elif chat:
             stats = ChatStats()
             results = mapper(_encode_rows, _chunks(chat_rows(cfg, stats), _CHUNK_ROWS))
             blocks: Iterable[tuple[np.ndarray, np.ndarray | None, np.ndarray]] = _chat_blocks(cfg, results, stats)
@@ -289,12 +305,20 @@ def _write(cfg: DataConfig, tokenizer: Tokenizer, tmp: Path, workers: int, fp: d
             "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _chat_blocks(cfg: DataConfig, results: Iterable[list[Any]], stats: ChatStats
+def _counted(rows: Iterator[tuple[str, Any]], stats: ChatStats) -> Iterator[tuple[str, Any]]:
+    for item in rows:
+        stats.rows += 1
+        yield item
+
+
+def _chat_blocks(cfg: DataConfig, results: Iterable[list[Any]], stats: ChatStats, pairs: bool = False
                  ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per chunk of tokenized rows, data.on_malformed applied in order: the kept samples as
-    (ids, labels, lengths)."""
+    (ids, labels, lengths). `pairs`: each row is two samples (chosen, rejected), kept together."""
     for chunk in results:
         kept = [s for s in (apply_policy(cfg, r, stats) for r in chunk) if s is not None]
+        if pairs:
+            kept = [sample for pair in kept for sample in pair]
         if kept:
             yield (np.concatenate([i for i, _ in kept]), np.concatenate([lab for _, lab in kept]),
                    np.asarray([len(i) for i, _ in kept], dtype=np.int64))

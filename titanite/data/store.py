@@ -50,6 +50,8 @@ MANIFEST = "manifest.json"
 # are applied when a store is read).
 _SETTINGS = ("path", "dataset_name", "split", "format", "glob", "max_files", "text_field", "on_decode_error",
              "messages_field", "chat_loss", "on_malformed")
+# Preference stores hold pairs already cut to data.seq_len (TRL's max_length), so these shape them too.
+_PREFERENCE_SETTINGS = ("seq_len", "max_prompt_length", "max_completion_length", "truncation_mode")
 
 
 def default_cache_dir() -> Path:
@@ -76,8 +78,8 @@ def is_store(path: Path) -> bool:
 # -- what a store is made from -----------------------------------------------------------------
 
 def kind(cfg: DataConfig) -> str:
-    """'chat' or 'text': what a store of this [data] holds."""
-    return "chat" if cfg.format == "chat" else "text"
+    """'chat', 'preference' or 'text': what a store of this [data] holds."""
+    return cfg.format if cfg.format in ("chat", "preference") else "text"
 
 
 def tokenizer_hash(cfg: DataConfig, tokenizer: Tokenizer) -> str:
@@ -85,7 +87,7 @@ def tokenizer_hash(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     template file data.chat_template names."""
     h = hashlib.sha256()
     files = list(tokenizer.files)
-    if kind(cfg) == "chat" and cfg.chat_template:
+    if kind(cfg) != "text" and cfg.chat_template:
         files.append(Path(cfg.chat_template).expanduser())
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -94,12 +96,12 @@ def tokenizer_hash(cfg: DataConfig, tokenizer: Tokenizer) -> str:
 
 def fingerprint(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a store of this source and tokenizer is made from: the cache key is its hash."""
-    files = input_files(cfg, CHAT_GLOBS if kind(cfg) == "chat" else None)
+    files = input_files(cfg, CHAT_GLOBS if kind(cfg) != "text" else None)
     sources = []
     for f in files:
         st = f.stat()
         sources.append({"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    settings = {k: getattr(cfg, k) for k in _SETTINGS}
+    settings = {k: getattr(cfg, k) for k in _SETTINGS + (_PREFERENCE_SETTINGS if kind(cfg) == "preference" else ())}
     if cfg.path and not cfg.dataset_name and cfg.path != "<stdlib>":
         settings["path"] = str(Path(cfg.path).expanduser().resolve())
     return {"format": FORMAT, "version": VERSION, "kind": kind(cfg), "eos_id": tokenizer.eos_id,
@@ -140,7 +142,7 @@ class TokenStore:
         return int(self.manifest["max_id"])
 
     def source_stats(self) -> SourceStats | ChatStats:
-        cls = ChatStats if self.kind == "chat" else SourceStats
+        cls = SourceStats if self.kind == "text" else ChatStats
         saved = self.manifest["stats"]
         return cls(**{f.name: saved[f.name] for f in fields(cls)})
 
@@ -237,13 +239,14 @@ def check_fresh(store: TokenStore, cfg: DataConfig, tokenizer: Tokenizer) -> Non
     m = store.manifest
     if m["kind"] != kind(cfg):
         raise UserError(f"data.path: the token store {store.path} holds {m['kind']} data, but data.format = "
-                        f"{cfg.format!r} (set data.format = {'chat' if m['kind'] == 'chat' else 'auto'!r})")
+                        f"{cfg.format!r} (set data.format = {'auto' if m['kind'] == 'text' else m['kind']!r})")
     if m["tokenizer"] != tokenizer_hash(cfg, tokenizer) or m["eos_id"] != tokenizer.eos_id:
         raise UserError(f"data.path: the token store {store.path} was prepared with another tokenizer than "
                         f"{tokenizer.path} (its files' hash differs); prepare it again with this one, or set "
                         "data.tokenizer to the one it was made with")
-    keys = ("messages_field", "chat_loss", "on_malformed", "on_decode_error") if m["kind"] == "chat" else (
-        "text_field", "on_decode_error")
+    keys = {"chat": ("messages_field", "chat_loss", "on_malformed", "on_decode_error"),
+            "preference": ("on_malformed", "on_decode_error") + _PREFERENCE_SETTINGS}.get(
+        m["kind"], ("text_field", "on_decode_error"))
     for key in keys:
         then, now = m["settings"].get(key), getattr(cfg, key)
         if then != now:

@@ -102,11 +102,14 @@ def main(argv: list[str]) -> int:
     if args.rehearse:
         figures = rehearse(cfg, world)
         print(rehearsal_report(figures, args.device_memory_gib or None))
-        f = max(figures, key=lambda x: x.states)
+        f = max(figures, key=lambda x: x.states + x.reference)
+        reference = e.preference.params_bytes if e.preference is not None else 0.0
         print(f"  rehearsal / estimate: parameters {f.params / e.params:.3f}, gradients "
-              f"{f.grads / max(e.grads, 1):.3f}, optimizer {f.optimizer / max(e.optimizer, 1):.3f}")
+              f"{f.grads / max(e.grads, 1):.3f}, optimizer {f.optimizer / max(e.optimizer, 1):.3f}"
+              + (f", reference model {f.reference / reference:.3f}" if reference else ""))
         if args.device_memory_gib:
-            train_peak = e.total - e.states + f.states  # the phases, with the rehearsal's own states
+            # the phases, with the rehearsal's own states (and reference model)
+            train_peak = e.total - e.states - reference + f.states + f.reference
             if train_peak / GiB > args.device_memory_gib:
                 better = fitting_layout(cfg, world, args.device_memory_gib, on_gloo)
                 print(f"  training peak {train_peak / GiB:.1f} GiB does not fit {args.device_memory_gib:g} GiB; "

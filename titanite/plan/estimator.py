@@ -12,10 +12,15 @@ A LoRA run (`[lora] enabled`) is counted by titanite/plan/lora.py: the frozen ba
 lora.base_dtype with no gradients or optimizer state, fp32 adapters with both, and the adapters'
 own activations and transients on top of the full fine-tune's; its peak is the same phases, with
 no vocabulary gradients (the head and the embedding stay frozen).
+
+A DPO run (`training.objective = "dpo"`) is counted by titanite/plan/preference.py: two
+sequences per pair, the whole fp32 logits, and the reference (a second frozen copy, the base
+with the adapters off, precomputed or none) with its no-grad forward as a moment of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from titanite.config import Config
@@ -29,6 +34,8 @@ from titanite.plan.counts import Tensor, activation_bytes, fsdp_transient, layer
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import step_phases
+from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, policy_held, preference_share,
+                                      sequences_per_micro_batch)
 from titanite.preflight import check_layout, choose_loss
 
 
@@ -45,6 +52,7 @@ class Estimate:
     tokens_per_step: int  # global
     lora: LoraParams | None = None  # a LoRA run's parameter counts (params = its base + adapters)
     phases: dict[str, float] = field(default_factory=dict)  # the peak of each moment of a step
+    preference: PreferenceShare | None = None  # a DPO run's reference (its bytes are in `phases`, not `params`)
 
     @property
     def total(self) -> float:
@@ -54,6 +62,11 @@ class Estimate:
     @property
     def states(self) -> float:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def reference(self) -> float:
+        """A DPO run's second frozen copy of the model, bytes per rank (0 without one)."""
+        return self.preference.reference_bytes if self.preference is not None else 0.0
 
 
 def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
@@ -71,15 +84,18 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     if profile is None:
         kernels_cfg = choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True)
         profile = handle.activation_profile(kernels_cfg, d.tp)
+    dpo = is_preference(cfg)
+    if dpo:  # per-sequence log-probabilities from the whole logits: no chunked loss
+        profile = dataclasses.replace(profile, keeps_logits=True)
     a, t = args, cfg.training
     layers = [layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
     top = top_tensors(a, d.tp)
-    tokens = t.batch_size * cfg.data.seq_len
+    tokens = sequences_per_micro_batch(cfg) * cfg.data.seq_len
     if cfg.lora.enabled:
         memory, lora = lora_memory(cfg, a, d, layers, top, tokens, profile)
     else:
         memory, lora = _full_memory(cfg, a, d, layers, top, tokens, profile), None
-    global_tokens = (t.global_batch_size or t.batch_size * d.dp) * cfg.data.seq_len
+    global_tokens = (t.global_batch_size or t.batch_size * d.dp) * cfg.data.seq_len * (2 if dpo else 1)
     if cfg.lora.enabled:
         per_token = lora_flops(a, cfg.lora, cfg.data.seq_len)
     else:
@@ -92,7 +108,13 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
 
     phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers)
-    return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases)
+    share = None
+    if dpo:
+        share = preference_share(cfg, a, d, layers, top, tokens, profile.sequence_parallel, world_size, global_tokens)
+        params, _, optimizer, kept, _, transient = memory
+        phases = add_reference(phases, share, params + optimizer + kept + policy_held(cfg, a, d, top, transient))
+        flops += share.forward_flops_per_step
+    return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases, preference=share)
 
 
 def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],

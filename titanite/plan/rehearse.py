@@ -14,12 +14,17 @@ Reported per rank, in bytes:
   in its shards (titanite/checkpoint/sharded.py), at the checkpoint's bytes per element;
 - the start-up peak: the trainer allocates only the rank's shards and fills them one on-disk
   tensor at a time, so the peak is the shards plus the largest tensor of the Hugging Face layout
-  (one expert's matrix for MoE experts), counted in fp32 as a random init draws it.
+  (one expert's matrix for MoE experts), counted in fp32 as a random init draws it;
+- for a DPO run whose reference is a second model (titanite/preference/reference.py), that model
+  too: built, sharded by the same plan (without activation checkpointing, as the trainer
+  does) and frozen, its parameters' stored bytes (`reference`; in the start-up peak as well). A
+  LoRA run's reference is its own base (adapters off) and a precomputed one is not held: none.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from math import prod
@@ -38,6 +43,7 @@ from titanite.parallel.mesh import ParallelDims
 from titanite.parallel.plans import parallelize
 from titanite.plan.counts import GiB
 from titanite.plan.estimator import estimate
+from titanite.preference.reference import reference_model_config
 from titanite.preflight import check_layout
 
 
@@ -49,6 +55,7 @@ class RankFigures:
     optimizer: int
     checkpoint_read: int
     startup_peak: int
+    reference: int = 0  # a DPO run's second (frozen) model: its parameters' stored bytes
 
     @property
     def states(self) -> int:
@@ -110,10 +117,30 @@ def rehearse_rank(cfg: Config, world_size: int, rank: int) -> RankFigures:
             if p.requires_grad:
                 grads += stored // local.element_size() * 4
         held, whole, largest = _start_up(handle)
+        reference = _reference_bytes(cfg, dims, world)
     finally:
         dist.destroy_process_group()
     read = round(_checkpoint_bytes(cfg) * held / whole) if whole else 0
-    return RankFigures(rank, params, grads, 2 * grads, read, params + 4 * largest)
+    return RankFigures(rank, params, grads, 2 * grads, read, params + reference + 4 * largest, reference)
+
+
+def _reference_bytes(cfg: Config, dims: ParallelDims, world: World) -> int:
+    """The stored bytes of this rank's shards of a DPO run's separate reference model, built and
+    sharded as the trainer does (titanite/preference/reference.py); 0 when there is none."""
+    mcfg = reference_model_config(cfg)
+    if mcfg is None or cfg.preference.reference == "precomputed":  # precomputed: dropped before training
+        return 0
+    handle = get_spec(mcfg.spec).build(mcfg)
+    check_layout(dims, handle)
+    handle.attach_kernels(KernelsConfig(), "cpu", torch.float32)
+    p = cfg.parallelism
+    parallelize(handle, world, dataclasses.replace(
+        cfg, model=mcfg, parallelism=dataclasses.replace(p, activation_checkpoint="none"),
+        lora=dataclasses.replace(cfg.lora, enabled=False)))
+    stored = 0
+    for t in _unique(handle.module.parameters()):
+        stored += (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes()
+    return stored
 
 
 def _unique(params):
@@ -158,14 +185,17 @@ def _num_experts(cfg: Config) -> int:
 
 
 def report(figures: list[RankFigures], device_gib: float | None) -> str:
+    ref = any(f.reference for f in figures)
     lines = ["rehearsal (the real plan on the meta device, fake process group), per rank:",
              f"  {'rank':>6} {'parameters':>12} {'gradients':>12} {'optimizer':>12} {'states':>12} "
-             f"{'reads':>12} {'start-up peak':>14}  (GiB)"]
+             + (f"{'reference':>12} " if ref else "") + f"{'reads':>12} {'start-up peak':>14}  (GiB)"]
     for f in figures:
         lines.append(f"  {f.rank:>6} {f.params / GiB:12.3f} {f.grads / GiB:12.3f} {f.optimizer / GiB:12.3f} "
-                     f"{f.states / GiB:12.3f} {f.checkpoint_read / GiB:12.3f} {f.startup_peak / GiB:14.3f}")
+                     f"{f.states / GiB:12.3f} " + (f"{f.reference / GiB:12.3f} " if ref else "")
+                     + f"{f.checkpoint_read / GiB:12.3f} {f.startup_peak / GiB:14.3f}")
     lines.append("  start-up peak: the rank's shards plus the largest on-disk tensor (fp32); reads: the "
-                 "checkpoint slices that fall in the rank's shards")
+                 "checkpoint slices that fall in the rank's shards"
+                 + ("; reference: the DPO reference model's shards (frozen)" if ref else ""))
     if device_gib:
         worst = max(f.startup_peak for f in figures) / GiB
         if worst > device_gib:

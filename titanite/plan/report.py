@@ -30,6 +30,26 @@ def _lora_line(e: Estimate, cfg: Config) -> list[str]:
             f"({n.base:,} frozen base; {100 * n.adapters / n.total:.3g}% trainable)"]
 
 
+def _preference_lines(e: Estimate, cfg: Config) -> list[str]:
+    """A DPO run's pairs and the reference the estimate counted (none for the 'lm' objective)."""
+    if e.preference is None:
+        return []
+    p, pr, S = e.preference, cfg.preference, cfg.data.seq_len
+    pairs = f"{cfg.training.batch_size} pair{'s' if cfg.training.batch_size > 1 else ''}"
+    lines = [f"DPO (loss {pr.loss_type}, beta {pr.beta:g}): {pairs} per micro-batch = "
+             f"{p.sequences} sequences x {S} (chosen, rejected); the loss keeps their whole fp32 logits "
+             "(no chunked loss for DPO)",
+             f"reference ({pr.reference}): {p.describe()}"]
+    if p.kind == "model":
+        lines[-1] += f", fp32, sharded as the policy, no gradients or optimizer state: " \
+                     f"{p.reference_bytes / GiB:.3f} GiB per rank"
+        if p.held_bytes:
+            lines[-1] += f" (with its root group, {p.held_bytes / GiB:.3f} GiB, which FSDP2 keeps gathered)"
+    if p.live:
+        lines[-1] += f"; its no-grad forward adds {p.forward_bytes / GiB:.3f} GiB at its peak"
+    return lines
+
+
 def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
     """The estimate as printed; `peak`: the device peak for MFU, or a line saying why none is known."""
     d = e.dims
@@ -37,18 +57,30 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
     if e.lora is not None:
         experts = ", effective expert weights" if e.lora.experts_adapted else ""
         transient = f"FSDP gathers, unsharded adapter grads{experts}"
+    micro = f"{cfg.training.batch_size} x {cfg.data.seq_len}"
+    if e.preference is not None:
+        pairs = f"{cfg.training.batch_size} pair{'s' if cfg.training.batch_size > 1 else ''}"
+        micro = f"{pairs} = {e.preference.sequences} x {cfg.data.seq_len}"
     rows = _state_rows(e) + [
-        (f"activations (micro-batch {cfg.training.batch_size} x {cfg.data.seq_len}, "
-         f"checkpointing {cfg.parallelism.activation_checkpoint})", e.activations),
+        (f"activations (micro-batch {micro}, checkpointing {cfg.parallelism.activation_checkpoint})",
+         e.activations),
         ("recomputed block (checkpointing)", e.recompute), (f"transient ({transient})", e.transient)]
+    if e.preference is not None and e.preference.kind == "model":
+        rows.append(("reference model (frozen, fp32, sharded)", e.preference.params_bytes))
+        if e.preference.held_bytes:
+            rows.append(("reference's root group (kept gathered)", e.preference.held_bytes))
+    if e.preference is not None and e.preference.live:
+        rows.append(("reference forward (no grad, transient)", e.preference.forward_bytes))
     rows += [(f"at {name}", value) for name, value in e.phases.items()]
     rows.append(("peak (the largest phase)", e.total))
     width = max(len(r[0]) for r in rows)
     lines = [f"layout: {d.describe()}, mixed precision {cfg.training.mixed_precision}"]
-    lines += _lora_line(e, cfg) + ["memory per rank:"]
+    lines += _lora_line(e, cfg) + _preference_lines(e, cfg) + ["memory per rank:"]
     lines += [f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows]
     lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} "
                  f"({e.tokens_per_step} tokens per step over all ranks)")
+    if e.preference is not None and e.preference.live:
+        lines[-1] += f", of which the reference's forwards {e.preference.forward_flops_per_step:.3e}"
     if isinstance(peak, str):
         lines.append(f"device peak for MFU: {peak}")
     elif peak is not None:  # the peak the trainer's MFU uses, from the same table or measurement

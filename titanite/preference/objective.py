@@ -1,0 +1,169 @@
+"""training.objective = 'dpo': one optimizer step over micro-batches of preference pairs.
+
+A micro-batch of B pairs is 2B rows (B chosen, then B rejected; titanite/data/packing.py's
+PairWindows). The policy's summed completion log-probs come from its logits; the reference's
+from titanite/preference/reference.py. Each pair's loss (titanite/preference/losses.py) is
+divided by the number of pairs in the whole step (every micro-batch on every data-parallel
+rank), so the gradient is that of the mean over the global batch, as one batch in TRL; with
+sft_weight the chosen completions' token NLL is added, divided by their tokens in the step.
+A MoE model's auxiliary loss is added as in language-model training.
+
+The metrics are TRL's: rewards/{chosen,rejected,accuracies,margins} and logps/{chosen,rejected},
+means over the step's pairs; evaluation reports them with `eval_` in front.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from titanite.config import Config
+from titanite.parallel import distributed
+from titanite.preference.losses import PairScores, pair_loss
+from titanite.preference.reference import (Reference, adapters_are_reference, materialize_reference, sequence_logps,
+                                           uses_reference, weights_identity)
+
+log = logging.getLogger("titanite")
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+class PreferenceObjective:
+    """The DPO step and evaluation, on the trainer's model handle and world."""
+
+    def __init__(self, cfg: Config, handle: Any, world: Any, device: torch.device, autocast: Any,
+                 reference: Reference | None) -> None:
+        self.cfg, self.pr = cfg, cfg.preference
+        self.handle, self.world, self.device, self.autocast = handle, world, device, autocast
+        self.reference = reference
+        # whether each step runs the reference's forward (MFU counts it)
+        self.runs_reference = reference is not None and reference.kind != "precomputed"
+
+    def accumulate(self, batches: list[dict[str, torch.Tensor]], dropout_seed: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Forward and backward of every micro-batch of one step: (the step's loss, the MoE
+        auxiliary loss or None, the metrics), each summed over the data-parallel ranks."""
+        accum, dp = len(batches), self.world.dp_size
+        pairs = float(sum(len(b["pair_index"]) for b in batches) * dp)
+        chosen_tokens = None
+        if self.pr.sft_weight:
+            n = torch.stack([(b["labels"][: len(b["pair_index"])] != -100).sum() for b in batches]).sum()
+            chosen_tokens = self.world.all_reduce_sum_dp(n.to(self.device, torch.float32)).clamp_min(1)
+        total = torch.zeros((), device=self.device)
+        sums = torch.zeros(len(METRICS), device=self.device)
+        aux_total: torch.Tensor | None = None
+        stats: dict[str, torch.Tensor] = {}
+        for micro, b in enumerate(batches):
+            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+            with self.world.loss_parallel():
+                ref = self._reference_first(b)
+                dropout_seed(micro)  # after the reference's forward, which must not move the masks
+                out, scores, chosen_sum = self._scores_with(b, ref)
+                result = pair_loss(scores, self.pr)
+                loss = result.loss.sum() / pairs
+                if chosen_tokens is not None:
+                    loss = loss + self.pr.sft_weight * (-chosen_sum.sum() / chosen_tokens)
+                total = total + loss.detach()
+                if out.aux_loss is not None:
+                    aux = distributed.full_tensor(out.aux_loss) / (accum * dp)
+                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+                    loss = loss + aux
+                loss.backward()
+            sums += _metric_sums(result)
+            for k, v in out.stats.items():
+                stats[k] = stats.get(k, 0.0) + v / accum
+        total = self.world.all_reduce_sum_dp(total)
+        if aux_total is not None:
+            aux_total = self.world.all_reduce_sum_dp(aux_total)
+        sums = self.world.all_reduce_sum_dp(sums) / pairs
+        return total, aux_total, {**dict(zip(METRICS, sums)), **stats}
+
+    def _reference_first(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.reference is None else self.reference.logps(b, "train")
+
+    def _scores_with(self, b: dict[str, torch.Tensor], ref: Any) -> tuple[Any, PairScores, torch.Tensor]:
+        with self.autocast:
+            out = self.handle.forward_train(b, logits=True)
+        logps, tokens = sequence_logps(out.logits, b["labels"])
+        (pc, pr), (nc, nr) = logps.chunk(2), tokens.chunk(2)
+        ref_c, ref_r = ref if ref is not None else (None, None)
+        return out, PairScores(pc, pr, nc, nr, ref_c, ref_r), pc
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The loss and TRL's metrics over the held-out pairs (every rank the same number of
+        batches; pairs past the end are masked out), as eval_<name>."""
+        model = self.handle.module
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
+        try:
+            for b in batches:
+                b = {k: v.to(self.device) for k, v in b.items()}
+                valid = b.pop("pair_valid").float()
+                with self.world.loss_parallel():
+                    ref = None if self.reference is None else self.reference.logps(b, "eval")
+                    _, scores, _ = self._scores_with(b, ref)
+                    result = pair_loss(scores, self.pr)
+                sums[:-2] += _metric_sums(result, valid).double()
+                sums[-2] += (result.loss.detach() * valid).sum().double()
+                sums[-1] += valid.sum().double()
+        finally:
+            model.train(was_training)
+        sums = self.world.all_reduce_sum_dp(sums)
+        n = max(float(sums[-1]), 1.0)
+        row = {f"eval_{name}": float(v) / n for name, v in zip(METRICS, sums[:-2])}
+        row["eval_loss"], row["eval_pairs"] = float(sums[-2]) / n, int(sums[-1])
+        log.info("eval: preference loss %.4f, reward accuracy %.3f over %d pairs", row["eval_loss"],
+                 row["eval_rewards/accuracies"], row["eval_pairs"])
+        return row
+
+
+def _metric_sums(result: Any, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The METRICS of each pair, summed over the batch (each pair weighted by `weight`)."""
+    c, r = result.chosen_rewards, result.rejected_rewards
+    per_pair = torch.stack([c, r, (c > r).float(), c - r, result.chosen_logps, result.rejected_logps])
+    if weight is not None:
+        per_pair = per_pair * weight
+    return per_pair.float().sum(1)
+
+
+def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, autocast: Any, train: Any,
+                    evaluator: Any) -> PreferenceObjective:
+    """The DPO objective with its reference (titanite/preference/reference.py): the separate model
+    materialised, or the policy with adapters off; for 'precomputed', the tables read or
+    computed (training pairs `train.windows`, held-out pairs `evaluator.windows`) and the model
+    dropped."""
+    reference = None
+    if uses_reference(cfg):
+        separate = not adapters_are_reference(cfg)
+        reference = Reference("model" if separate else "adapters_off", ready.reference if separate else ready.handle,
+                              world, autocast)
+
+        def materialize() -> None:
+            if separate and not reference.materialized:
+                materialize_reference(ready.reference, ready.reference_weights, cfg, world, device)
+                reference.materialized = True
+
+        reference.materialized = not separate
+        if cfg.preference.reference == "precomputed":
+            m = cfg.model
+            weights = ready.reference_weights if separate else m.hf_path
+            key = {"weights": weights_identity(weights) if weights else ["init", m.spec, m.flavor, m.hf_path,
+                                                                          m.init_std, cfg.job.seed],
+                   "adapters_off": not separate, "spec": m.spec, "device": device.type,
+                   "precision": cfg.training.mixed_precision, "lora_base": cfg.lora.base_dtype,
+                   "kernels": cfg.kernels.select}
+            size = cfg.training.batch_size
+            reference.precompute("train", train.windows, train.store, key, size, device, materialize)
+            if evaluator is not None:
+                reference.precompute("eval", evaluator.windows, evaluator.store, key,
+                                     cfg.eval.batch_size or size, device, materialize)
+            reference.kind = "precomputed"
+            reference.release()
+        else:
+            materialize()
+    return PreferenceObjective(cfg, ready.handle, world, device, autocast, reference)

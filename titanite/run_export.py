@@ -1,0 +1,42 @@
+"""A training run's exports, written by rank 0 while every rank takes part in the gathers: the
+Hugging Face folder (titanite/checkpoint/hf_weights.py) and a LoRA run's peft adapter
+(titanite/lora/adapter.py)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from titanite.checkpoint.hf_weights import export_hf
+from titanite.config import Config
+from titanite.data.tokenizer import Tokenizer
+from titanite.lora import adapter as lora_adapter
+from titanite.models.handle import ModelHandle
+from titanite.parallel import distributed
+
+log = logging.getLogger("titanite")
+
+
+def adapter(handle: ModelHandle, cfg: Config, lora_record: dict[str, Any], out: Path, rank: int) -> None:
+    """The adapters in peft's format."""
+    factors = handle.adapter_factors(distributed.full_tensor)  # a collective per target, every rank
+    if rank == 0:
+        lora_adapter.write_adapter(out, factors, handle.lora.cfg, cfg.model.hf_path, lora_record["lora_base"])
+        log.info("exported the LoRA adapter (peft format) to %s", out)
+    else:
+        for _ in factors:
+            pass
+
+
+def model(handle: ModelHandle, cfg: Config, tokenizer: Tokenizer, out: Path, rank: int, merged: bool = False) -> None:
+    """The model as a Hugging Face folder (`merged`: LoRA adapters folded into the base)."""
+    tensors = handle.hf_state_dict(distributed.regions_to_rank_zero, merged=merged)
+    config = handle.hf_config()
+    if rank == 0:
+        export_hf(tensors, config, out, cfg.checkpoint.export_shard_mb, source_folders=[cfg.model.hf_path],
+                  tokenizer_files=tokenizer.files)
+        log.info("exported Hugging Face model to %s", out)
+    else:
+        for _ in tensors:  # every rank takes part in the gathers (it holds meta stand-ins)
+            pass
