@@ -58,20 +58,20 @@ class PreferenceObjective:
         stats: dict[str, torch.Tensor] = {}
         for micro, b in enumerate(batches):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-            with self.world.loss_parallel():
-                ref = self._reference_first(b)
-                dropout_seed(micro)  # after the reference's forward, which must not move the masks
-                out, scores, chosen_sum = self._scores_with(b, ref)
-                result = pair_loss(scores, self.pr)
-                loss = result.loss.sum() / pairs
-                if chosen_tokens is not None:
-                    loss = loss + self.pr.sft_weight * (-chosen_sum.sum() / chosen_tokens)
-                total = total + loss.detach()
-                if out.aux_loss is not None:
-                    aux = distributed.full_tensor(out.aux_loss) / (accum * dp)
-                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-                    loss = loss + aux
-                loss.backward()
+            # no loss_parallel: sequence_logps gathers vocabulary-sharded logits itself
+            ref = self._reference_first(b)
+            dropout_seed(micro)  # after the reference's forward, which must not move the masks
+            out, scores, chosen_sum = self._scores_with(b, ref)
+            result = pair_loss(scores, self.pr)
+            loss = result.loss.sum() / pairs
+            if chosen_tokens is not None:
+                loss = loss + self.pr.sft_weight * (-chosen_sum.sum() / chosen_tokens)
+            total = total + loss.detach()
+            if out.aux_loss is not None:
+                aux = distributed.full_tensor(out.aux_loss) / (accum * dp)
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+                loss = loss + aux
+            loss.backward()
             sums += _metric_sums(result)
             for k, v in out.stats.items():
                 stats[k] = stats.get(k, 0.0) + v / accum
@@ -104,10 +104,9 @@ class PreferenceObjective:
             for b in batches:
                 b = {k: v.to(self.device) for k, v in b.items()}
                 valid = b.pop("pair_valid").float()
-                with self.world.loss_parallel():
-                    ref = None if self.reference is None else self.reference.logps(b, "eval")
-                    _, scores, _ = self._scores_with(b, ref)
-                    result = pair_loss(scores, self.pr)
+                ref = None if self.reference is None else self.reference.logps(b, "eval")
+                _, scores, _ = self._scores_with(b, ref)
+                result = pair_loss(scores, self.pr)
                 sums[:-2] += _metric_sums(result, valid).double()
                 sums[-2] += (result.loss.detach() * valid).sum().double()
                 sums[-1] += valid.sum().double()

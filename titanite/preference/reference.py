@@ -157,11 +157,11 @@ def adapters_off(module: torch.nn.Module) -> Iterator[None]:
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the summed log-probability of its labelled tokens, and how many there are.
-    logits [R, S, V] (vocabulary-sharded under tensor parallel: call inside loss_parallel),
-    labels [R, S]. fp32 [R] each."""
+    logits [R, S, V], labels [R, S]; fp32 [R] each. Vocabulary-sharded logits (tensor parallel)
+    are gathered first: loss_parallel reduces only to a sum or a mean, not per token."""
+    logits = distributed.full_tensor(logits)
     nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                          reduction="none")
-    nll = distributed.full_tensor(nll).view(labels.shape)
+                          reduction="none").view(labels.shape)
     return -nll.sum(1), (labels != IGNORE_INDEX).sum(1).float()
 
 
@@ -182,7 +182,7 @@ class Reference:
         was_training = self.handle.module.training
         self.handle.module.eval()
         try:
-            with ctx, self.world.loss_parallel():
+            with ctx:
                 with self.autocast:
                     out = self.handle.forward_train(batch, logits=True)
                 logps, _ = sequence_logps(out.logits, batch["labels"])
