@@ -1,0 +1,247 @@
+"""Preference training (training.objective = 'dpo') beyond TRL's numbers (test_preference_trl.py):
+the reference kinds agree with each other, layouts agree with one process, a resumed run repeats
+the uninterrupted one bit for bit and passes over a corrupt checkpoint, held-out pairs are
+evaluated under TRL's names with eval_ in front, the exports load, and bad input stops with one
+message and exit code 2.
+
+Oracles: the live reference for the precomputed one; a separate frozen copy of the base for
+LoRA's adapters-off reference; one process for 2-rank FSDP, tensor parallel and expert parallel;
+the uninterrupted run for resume; transformers and peft for the exports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.chat_fixtures import make_chat_tokenizer, write_jsonl
+from tests.conftest import REPO, make_hf_checkpoint, make_tiny_tokenizer, read_metrics, run_cli, stop_after
+from tests.preference_fixtures import make_pair_models, write_pair_data
+from tests.reliability_fixtures import _corrupt_flip
+from titanite.config import load_config
+from titanite.errors import UserError
+from titanite.trainer import Trainer
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("preference")
+    tok = make_chat_tokenizer(root / "tok")
+    models = make_pair_models(root, tok)
+    data = write_pair_data(root / "data")
+    return {"tok": tok, "dense": models["dense"][0], "dense_ref": models["dense"][1], "moe": models["moe"][0],
+            "moe_ref": models["moe"][1], **data}
+
+
+def dpo_args(world: dict[str, Path], out: Path, kind: str = "dense", form: str = "conversational", steps: int = 3,
+             **extra: object) -> list[str]:
+    """A few-second DPO run: 2 pairs per micro-batch, 4 per step on any data-parallel layout."""
+    opts = {"job.output_dir": out, "model.hf_path": world[kind], "data.path": world[form],
+            "data.format": "preference", "training.objective": "dpo", "data.seq_len": 96,
+            "training.batch_size": 2, "training.global_batch_size": 4, "training.steps": steps,
+            "training.lr": 1e-3, "training.warmup_steps": 0, "training.lr_schedule": "constant",
+            "preference.reference_path": world[f"{kind}_ref"], "metrics.log_interval": 1,
+            "metrics.peak_tflops": 1.0, "metrics.progress_bar": "off", "checkpoint.interval": 0,
+            "checkpoint.export_hf": False}
+    opts.update(extra)
+    return [f"--{k}={v}" for k, v in opts.items() if v is not None]
+
+
+def train(args: list[str]) -> list[dict]:
+    trainer = Trainer(load_config(None, args))
+    trainer.train()
+    return read_metrics(Path(trainer.cfg.job.output_dir))
+
+
+def assert_same(rows: list[dict], expected: list[dict], rel: float = 1e-6, grad_rel: float = 1e-5) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] and rows
+    for r, e in zip(rows, expected):
+        assert r["loss"] == pytest.approx(e["loss"], rel=rel), r["step"]
+        assert r["grad_norm"] == pytest.approx(e["grad_norm"], rel=grad_rel), r["step"]
+        for name in METRICS:
+            assert r[name] == pytest.approx(e[name], rel=rel, abs=1e-7), (r["step"], name)
+
+
+# -- the reference kinds ---------------------------------------------------------------------------
+
+
+def test_precomputed_reference_equals_the_live_one_and_is_kept_beside_the_token_store(world, tmp_path, caplog):
+    live = train(dpo_args(world, tmp_path / "live"))
+    assert live[0]["rewards/margins"] != 0  # a reference that differs from the policy
+    pre = train(dpo_args(world, tmp_path / "pre", **{"preference.reference": "precomputed"}))
+    assert_same(pre, live)
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "titanite" / "tokens"
+    files = list(cache.glob("*.reference-*.safetensors"))
+    assert files, sorted(p.name for p in cache.iterdir())
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="titanite")
+    again = train(dpo_args(world, tmp_path / "again", **{"preference.reference": "precomputed"}))
+    assert "reference log-probabilities read from" in caplog.text
+    assert [r["loss"] for r in again] == [r["loss"] for r in pre]
+
+
+@pytest.mark.parametrize("spec", ["qwen3", "hf"])
+def test_lora_adapters_off_reference_equals_a_separate_frozen_base(world, tmp_path, spec):
+    lora = {"lora.enabled": True, "lora.rank": 4, "model.spec": spec, "training.lr": 1e-2}
+    separate = train(dpo_args(world, tmp_path / "separate", **lora, **{"preference.reference_path": world["dense"]}))
+    off = train(dpo_args(world, tmp_path / "off", **lora, **{"preference.reference_path": ""}))
+    assert separate[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)  # B = 0: policy = reference
+    assert separate[-1]["rewards/margins"] != 0  # and then they part
+    assert_same(off, separate, rel=1e-6)
+    pre = train(dpo_args(world, tmp_path / "pre", **lora, **{"preference.reference_path": "",
+                                                              "preference.reference": "precomputed"}))
+    assert_same(pre, separate, rel=1e-6)
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+
+def torchrun(nproc: int, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "titanite.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, spec, layout", [
+    ("dense", "qwen3", {}),  # FSDP2 over 2 ranks
+    ("dense", "hf", {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    ("moe", "qwen3", {"parallelism.ep": 2}),
+    ("moe", "hf", {"preference.reference": "precomputed"}),
+])
+def test_two_ranks_equal_one_process(world, tmp_path, kind, spec, layout):
+    # 2 steps of 4 pairs: the first 8 of the 10 pairs under both layouts (one epoch's whole batches)
+    extra = {"model.spec": spec, "data.shuffle": False, "training.steps": 2, **layout}
+    one = train(dpo_args(world, tmp_path / "one", kind=kind, form="standard",
+                         **{k: v for k, v in extra.items() if not k.startswith("parallelism")}))
+    torchrun(2, dpo_args(world, tmp_path / "two", kind=kind, form="standard", **extra))
+    assert_same(read_metrics(tmp_path / "two"), one, rel=1e-5, grad_rel=1e-4)
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [{}, {"preference.reference": "precomputed", "lora.enabled": True,
+                                        "preference.reference_path": "", "lora.dropout": 0.1}],
+                         ids=["live", "lora-precomputed"])
+def test_resume_repeats_the_uninterrupted_run_exactly(world, tmp_path, extra):
+    full = train(dpo_args(world, tmp_path / "full", steps=4, **extra))
+    head = stop_after(Trainer(load_config(None, dpo_args(world, tmp_path / "cut", steps=4, **extra))), 2)
+    rows = train(dpo_args(world, tmp_path / "cut", steps=4, **extra))
+    assert head + [r["loss"] for r in rows if r["step"] > 2] == [r["loss"] for r in full]
+    resumed = {r["step"]: r for r in rows}
+    for r in full[2:]:
+        assert all(resumed[r["step"]][m] == r[m] for m in METRICS), r["step"]
+
+
+def test_a_corrupt_checkpoint_is_passed_over(world, tmp_path, capsys):
+    full = train(dpo_args(world, tmp_path / "full", steps=4))
+    out = tmp_path / "run"
+    train(dpo_args(world, out, steps=3, **{"checkpoint.interval": 1}))
+    _corrupt_flip(out / "checkpoints" / "step-3")
+    rows = train(dpo_args(world, out, steps=4, **{"checkpoint.interval": 1}))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in full]
+
+
+# -- evaluation and exports ------------------------------------------------------------------------
+
+
+def test_eval_reports_trl_names_and_exports_load(world, tmp_path):
+    import transformers
+
+    out = tmp_path / "run"
+    rows = train(dpo_args(world, out, steps=2, **{"eval.path": world["conversational"], "checkpoint.export_hf": True,
+                                                  "preference.sft_weight": 0.5}))
+    last = rows[-1]
+    for name in METRICS:
+        assert f"eval_{name}" in last, sorted(last)
+    assert last["eval_pairs"] == len(Path(world["conversational"]).read_text().splitlines())
+    assert 0 <= last["eval_rewards/accuracies"] <= 1
+    assert last["eval_rewards/margins"] == pytest.approx(last["eval_rewards/chosen"] - last["eval_rewards/rejected"],
+                                                         rel=1e-5, abs=1e-7)
+    assert last["tokens_per_sec"] > 0 and last["mfu"] > 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_lora_run_exports_a_peft_adapter(world, tmp_path):
+    import peft
+    import transformers
+
+    out = tmp_path / "run"
+    train(dpo_args(world, out, steps=2, **{"lora.enabled": True, "lora.rank": 4, "preference.reference_path": "",
+                                            "checkpoint.export_hf": True, "training.lr": 1e-2}))
+    base = transformers.AutoModelForCausalLM.from_pretrained(world["dense"])
+    adapted = peft.PeftModel.from_pretrained(base, out / "adapter")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        changed = adapted(ids).logits
+        with adapted.disable_adapter():
+            plain = adapted(ids).logits
+    assert not torch.allclose(changed, plain)  # the adapter learned something, and peft reads it
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def refused(args: list[str], *fragments: str) -> str:
+    proc = run_cli("train", *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for f in fragments:
+        assert f in proc.stderr, (f, proc.stderr[-3000:])
+    return proc.stderr
+
+
+def test_a_row_without_rejected_names_its_line(world, tmp_path):
+    rows = [json.loads(line) for line in Path(world["standard"]).read_text().splitlines()]
+    del rows[2]["rejected"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    refused(dpo_args(world, tmp_path / "out", form="standard", **{"data.path": bad}), f"{bad}:3", "'rejected'")
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_prompt_that_fills_max_length_is_refused_or_skipped(world, tmp_path):
+    rows = [json.loads(line) for line in Path(world["standard"]).read_text().splitlines()]
+    rows[0]["prompt"] = "the model reads tokens " * 40
+    bad = write_jsonl(tmp_path / "long.jsonl", rows)
+    args = dpo_args(world, tmp_path / "out", form="standard", **{"data.path": bad, "data.seq_len": 64})
+    refused(args, f"{bad}:1", "leaves no room for the completion", "data.seq_len = 64")
+    skipped = train(args + ["--data.on_malformed=skip"])
+    assert skipped[0]["data_malformed"] == 1
+
+
+def test_a_reference_of_another_architecture_or_tokenizer_is_refused(world, tmp_path):
+    other = make_hf_checkpoint(tmp_path / "other", world["tok"], hidden_size=64)
+    refused(dpo_args(world, tmp_path / "a", **{"preference.reference_path": other}), "another architecture",
+            "hidden_size")
+    retok = make_hf_checkpoint(tmp_path / "retok", make_tiny_tokenizer(tmp_path / "plain-tok"))
+    refused(dpo_args(world, tmp_path / "b", **{"preference.reference_path": retok}), "differs from the run's tokenizer")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"data.format": "chat"}, "data.format = 'preference'"),
+    ({"training.objective": "lm"}, "training.objective = 'dpo'"),
+    ({"preference.reference": "none"}, "compares the policy with a reference"),
+    ({"preference.beta": 0.0}, "'preference.beta' must be > 0"),
+    ({"preference.loss_type": "robust", "preference.label_smoothing": 0.5}, "[0, 0.5)"),
+    ({"preference.loss_type": "dpo"}, "'sigmoid'"),
+    ({"data.packing": "documents"}, "one sequence per row"),
+])
+def test_config_mistakes_name_the_key(world, tmp_path, overrides, fragment):
+    with pytest.raises(UserError) as e:
+        load_config(None, dpo_args(world, tmp_path / "out", **overrides))
+    assert fragment in str(e.value)
