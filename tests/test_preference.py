@@ -245,3 +245,37 @@ def test_config_mistakes_name_the_key(world, tmp_path, overrides, fragment):
     with pytest.raises(UserError) as e:
         load_config(None, dpo_args(world, tmp_path / "out", **overrides))
     assert fragment in str(e.value)
+
+
+# -- the DPO config and its tiny twin --------------------------------------------------------------
+
+
+def test_dpo_config_and_its_tiny_twin_share_one_structure():
+    import tomllib
+
+    full, tiny = (tomllib.loads((REPO / "configs" / f"qwen3-4b-instruct-2507-{n}.toml").read_text())
+                  for n in ("dpo", "dpo-tiny"))
+    assert {s: sorted(t) for s, t in full.items()} == {s: sorted(t) for s, t in tiny.items()}
+    assert full["training"]["objective"] == "dpo" and full["lora"]["enabled"]
+    load_config(str(REPO / "configs" / "qwen3-4b-instruct-2507-dpo.toml"))  # valid as written
+
+
+def test_tiny_dpo_config_trains_on_conversational_pairs(world, tmp_path):
+    import peft
+    import transformers
+
+    out = tmp_path / "run"
+    proc = run_cli("train", "--config", "configs/qwen3-4b-instruct-2507-dpo-tiny.toml",
+                   f"--model.hf_path={world['dense']}", f"--data.path={world['conversational']}",
+                   f"--eval.path={world['conversational']}", f"--job.output_dir={out}", "--metrics.progress_bar=off")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 2
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]  # it learns the preference
+    assert "eval_rewards/accuracies" in rows[-1]
+    base = transformers.AutoModelForCausalLM.from_pretrained(world["dense"])
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, out / "adapter").eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")(ids).logits
+    assert (adapted - merged).abs().max().item() <= 1e-5
