@@ -138,12 +138,13 @@ def choose_loss(cfg: Config, handle: ModelHandle, device: torch.device, quiet: b
     select = cfg.kernels.select
     if select.get("loss", "auto") != "auto":
         return cfg.kernels
-    logits = cfg.training.batch_size * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
+    rows = cfg.training.batch_size * (2 if cfg.training.objective == "dpo" else 1)  # a pair is two rows
+    logits = rows * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
     memory = devices.total_memory(device)
     pick = "chunked" if logits > AUTO_LOSS_MEMORY_FRACTION * memory else "reference"
     if not quiet:
         log.info("kernel loss: auto -> %s (one micro-batch's logits, %d x %d tokens x %d vocab in fp32, take "
-                 "%.2f GiB = %.1f%% of the device's %.1f GiB; chunked above %d%%)", pick, cfg.training.batch_size,
+                 "%.2f GiB = %.1f%% of the device's %.1f GiB; chunked above %d%%)", pick, rows,
                  cfg.data.seq_len, handle.args.vocab_size, logits / 2**30, 100 * logits / memory, memory / 2**30,
                  round(100 * AUTO_LOSS_MEMORY_FRACTION))
     return dataclasses.replace(cfg.kernels, select={**select, "loss": pick})

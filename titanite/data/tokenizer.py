@@ -38,7 +38,8 @@ class Tokenizer:
         files: tokenizer.json and the side files next to it, for an HF export to copy.
     """
 
-    def __init__(self, tok: tokenizers.Tokenizer, path: Path, eos_token: str, files: list[Path]):
+    def __init__(self, tok: tokenizers.Tokenizer, path: Path, eos_token: str, files: list[Path],
+                 config_eos: str | None = None):
         self._tok = tok
         # Document text is data, not markup: a literal "<|endoftext|>" inside a document must
         # not become a separator, so special tokens in the text are split like any other text.
@@ -52,6 +53,12 @@ class Tokenizer:
         # Ids need not be dense: an added token may sit far above the base vocabulary.
         self.max_id: int = max(tok.get_vocab(with_added_tokens=True).values())
         self.files = files
+        # The end of a completion, as transformers' tokenizer.eos_token: tokenizer_config.json's
+        # eos_token ('<|im_end|>' for Qwen3's instruct models), else the separator.
+        self.completion_eos = config_eos or eos_token
+        completion_eos_id = tok.token_to_id(self.completion_eos)
+        assert completion_eos_id is not None, self.completion_eos
+        self.completion_eos_id: int = completion_eos_id
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids for each text, with no special tokens added. Runs on the Rust thread pool."""
@@ -96,8 +103,13 @@ def load_tokenizer(spec: str, hf_path: str = "") -> Tokenizer:
     # Side files travel into exports: one that links out of the folder is refused, not copied.
     files = [path] + [inside_folder(path.parent, n, f"{key}: tokenizer folder {path.parent}")
                       for n in TOKENIZER_FILES[1:] if (path.parent / n).is_file()]
-    eos_token = _doc_separator(tok, path, key)
-    return Tokenizer(tok, path, eos_token, files)
+    config_eos = _config_eos(tok, path, key)
+    eos_token = DOC_SEPARATOR if tok.token_to_id(DOC_SEPARATOR) is not None else config_eos
+    if eos_token is None:
+        config = path.parent / "tokenizer_config.json"
+        raise UserError(f"{key}: {config if config.is_file() else path} defines no document separator: the vocab "
+                        f"has no '{DOC_SEPARATOR}' and tokenizer_config.json has no eos_token in the vocab")
+    return Tokenizer(tok, path, eos_token, files, config_eos)
 
 
 def _qwen3_folder() -> Path:
@@ -117,10 +129,8 @@ def _qwen3_folder() -> Path:
                     f"{list(spec.submodule_search_locations)} has no tokenizer_files/ folder")
 
 
-def _doc_separator(tok: tokenizers.Tokenizer, path: Path, key: str) -> str:
-    """The token placed after each document: <|endoftext|> when present, else the config's eos."""
-    if tok.token_to_id(DOC_SEPARATOR) is not None:
-        return DOC_SEPARATOR
+def _config_eos(tok: tokenizers.Tokenizer, path: Path, key: str) -> str | None:
+    """tokenizer_config.json's eos_token beside `path`, when the vocab has it (else None)."""
     config = path.parent / "tokenizer_config.json"
     eos = None
     if config.is_file():
@@ -130,9 +140,4 @@ def _doc_separator(tok: tokenizers.Tokenizer, path: Path, key: str) -> str:
             raise UserError(f"{key}: cannot parse {config}: {e}") from e
         if isinstance(eos, dict):  # older configs store an AddedToken dict
             eos = eos.get("content")
-    if isinstance(eos, str) and tok.token_to_id(eos) is not None:
-        return eos
-    where = config if config.is_file() else path
-    raise UserError(f"{key}: {where} defines no document separator: the vocab has no "
-                    f"'{DOC_SEPARATOR}' and tokenizer_config.json has no eos_token in the vocab "
-                    f"(eos_token = {eos!r})")
+    return eos if isinstance(eos, str) and tok.token_to_id(eos) is not None else None

@@ -15,6 +15,7 @@ shows, checks and times what is registered.
 from __future__ import annotations
 
 from titanite.kernels.attach import DEFAULTS, Kernel, attach, iter_kernels
+from titanite.kernels.head_loss import head_loss, loss_per_row
 from titanite.kernels.plugins import load_plugins
 from titanite.kernels.reference_ops import IGNORE_INDEX, block_causal_mask
 from titanite.kernels.registry import OPS, REFERENCE, Impl, implementations, reference, register
@@ -27,7 +28,8 @@ from titanite.kernels import chunked_loss, torch_impls  # noqa: F401
 from titanite.kernels.triton import ops as triton_ops  # noqa: F401
 
 __all__ = ["DEFAULTS", "IGNORE_INDEX", "OPS", "REFERENCE", "Impl", "Kernel", "attach", "block_causal_mask",
-           "implementations", "iter_kernels", "load_plugins", "op", "reference", "register"]
+           "head_loss", "implementations", "iter_kernels", "load_plugins", "loss_per_row", "op", "reference",
+           "register"]
 
 
 def op(name: str) -> Kernel:

@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanite.kernels.attach import Kernel
-from titanite.kernels.reference_ops import IGNORE_INDEX, block_causal_mask
+from titanite.kernels.head_loss import head_loss
+from titanite.kernels.reference_ops import block_causal_mask
 from titanite.kernels.routing import RoutingRecord, expert_counts
 
 NAME = "titanite"
@@ -200,11 +201,12 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
 
 
 def _head_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Logits [..., V], or with `labels(...)` set the fp32 summed cross-entropy through `loss`."""
+    """Logits [..., V], or with `labels(...)` set the fp32 cross-entropy through `loss` (summed, or
+    per row inside loss_per_row())."""
     labels_now = _LABELS.get()
     if labels_now is None:
         return F.linear(hidden_states, self.weight)
-    return self.loss(hidden_states.flatten(0, -2), self.weight, labels_now.flatten(), IGNORE_INDEX)
+    return head_loss(self.loss, hidden_states, self.weight, labels_now)
 
 
 @contextlib.contextmanager

@@ -240,10 +240,10 @@ class ModelHandle(ABC):
         return attach(self.module, kernels_cfg.select, device_type, dtype, kernels_cfg.fallback)
 
     @abstractmethod
-    def forward_train(self, batch: dict[str, torch.Tensor], logits: bool = False) -> TrainOutput:
+    def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
         """One training forward on a device batch (`input_ids`, `position_ids`, `labels`, and
-        `document_ids` for packed samples). `logits`: return the [B, S, V] logits rather than
-        the fused loss (per-sequence log-probabilities need them)."""
+        `document_ids` for packed samples). Inside kernels.loss_per_row() a fused loss is one
+        sum per row ([B]; preference training's sequence log-probabilities)."""
 
     def after_optimizer_step(self, all_reduce: AllReduce) -> None:
         """Run after every optimizer step (e.g. MoE load-balancing bias updates)."""

@@ -74,8 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="also apply the real parallel plan to the real model on the meta device under a "
                              "fake process group of --world-size ranks and report each rank's shards")
     parser.add_argument("--device-memory-gib", type=float, default=0.0,
-                        help="with --rehearse: the memory of one device; a layout that does not fit is named "
-                             "with one that would; default with --device-name: that accelerator's")
+                        help="the memory of one device: kernels.loss = 'auto' is resolved against it as training "
+                             "resolves it there, and with --rehearse a layout that does not fit is named with one "
+                             "that would; default with --device-name: that accelerator's")
     parser.add_argument("--plan-for", choices=("auto", "cpu", "accelerator"), default="auto",
                         help="the machines the layout is for: 'accelerator' leaves out the CPU collectives' "
                              "(gloo's) buffers when planning GPU runs on a machine without one; default: "
@@ -97,7 +98,8 @@ def main(argv: list[str]) -> int:
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     peak = _planned_peak(cfg, args.plan_for, acc, dtype)
     on_gloo = {"auto": None, "cpu": True, "accelerator": False}[args.plan_for]
-    e = estimate(cfg, world, on_gloo=on_gloo)
+    memory = args.device_memory_gib * GiB or None  # kernels.loss = "auto" resolves against it
+    e = estimate(cfg, world, on_gloo=on_gloo, device_memory=memory)
     print(report(e, cfg, peak))
     if args.rehearse:
         figures = rehearse(cfg, world)

@@ -115,11 +115,13 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
 
 def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: bool, value_bytes: int,
                      sp: bool = True, extra: Callable[[int, str], float] | None = None,
-                     top_extra: float = 0.0) -> tuple[float, float]:
+                     top_extra: float = 0.0, loss_values: float | None = None) -> tuple[float, float]:
     """(bytes kept for backward at the end of forward, bytes of the one block recomputed in
     backward) for one micro-batch of `tokens` tokens on one rank. `extra(i, mode)` and
     `top_extra`: values per token that block `i` under checkpointing `mode`, and the rest of the
-    model, keep on top of (or, negative, below) the full fine-tune's count (LoRA's)."""
+    model, keep on top of (or, negative, below) the full fine-tune's count (LoRA's).
+    `loss_values`: what the loss keeps per token, when another objective's loss keeps otherwise
+    than the language model's (DPO's, titanite/plan/preference.py)."""
     def block(i: int, mode: str) -> float:
         return layer_activation_elems(a, i, tp, mode, sp) + (extra(i, mode) if extra else 0.0)
 
@@ -134,5 +136,7 @@ def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: 
     per_token += seq * (2 * H + 1) + H + 2 * a.head_dim + 2 + top_extra
     # The loss: the chunked fused loss keeps one fp32 log-sum-exp per token; otherwise the
     # (vocab-sharded) logits and their log-softmax stay alive until backward.
-    per_token += 2 * a.vocab_size / tp if keeps_logits else 1
+    if loss_values is None:
+        loss_values = 2 * a.vocab_size / tp if keeps_logits else 1
+    per_token += loss_values
     return per_token * tokens * value_bytes, recompute * tokens * value_bytes

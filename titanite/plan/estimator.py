@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from titanite.config import Config
+from titanite.config import Config, KernelsConfig
 from titanite.device import is_host, pick_device
 from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
@@ -33,10 +33,10 @@ from titanite.parallel.mesh import ParallelDims
 from titanite.plan.counts import Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
-from titanite.plan.phases import step_phases
-from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, policy_held, preference_share,
-                                      sequences_per_micro_batch)
-from titanite.preflight import check_layout, choose_loss
+from titanite.plan.phases import accumulation_steps, step_phases
+from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, loss_terms, loss_values,
+                                      preference_share, sequences_per_micro_batch)
+from titanite.preflight import AUTO_LOSS_MEMORY_FRACTION, check_layout, choose_loss
 
 
 @dataclass
@@ -71,30 +71,30 @@ class Estimate:
 
 def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
              profile: ActivationProfile | None = None, on_gloo: bool | None = None,
-             gloo_buffers: bool = True) -> Estimate:
+             gloo_buffers: bool = True, device_memory: float | None = None) -> Estimate:
     """The estimate for `cfg` on `world_size` ranks. The config's model is built on the meta
     device and its layout checked as training checks it; `args` (another architecture, for
     what-if estimates) and `profile` override what that model says. `on_gloo`: whether the
     collectives run on gloo (CPU training; default: whether job.device resolves to the CPU here);
-    `gloo_buffers`: then count the buffers gloo allocates outside torch's allocator too."""
+    `gloo_buffers`: then count the buffers gloo allocates outside torch's allocator too;
+    `device_memory`: the bytes of one device planned for, which `kernels.loss = "auto"` is
+    resolved against (default: this machine's job.device, as training resolves it)."""
     d = ParallelDims.resolve(cfg.parallelism, world_size)
     handle = get_spec(cfg.model.spec).build(cfg.model)
     check_layout(d, handle)
     args = args or handle.args
     if profile is None:
-        kernels_cfg = choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True)
-        profile = handle.activation_profile(kernels_cfg, d.tp)
+        profile = handle.activation_profile(_planned_loss(cfg, handle, device_memory), d.tp)
     dpo = is_preference(cfg)
-    if dpo:  # per-sequence log-probabilities from the whole logits: no chunked loss
-        profile = dataclasses.replace(profile, keeps_logits=True)
     a, t = args, cfg.training
     layers = [layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
     top = top_tensors(a, d.tp)
     tokens = sequences_per_micro_batch(cfg) * cfg.data.seq_len
+    values = loss_values(cfg, a, d, profile.keeps_logits) if dpo else None
     if cfg.lora.enabled:
-        memory, lora = lora_memory(cfg, a, d, layers, top, tokens, profile)
+        memory, lora = lora_memory(cfg, a, d, layers, top, tokens, profile, values)
     else:
-        memory, lora = _full_memory(cfg, a, d, layers, top, tokens, profile), None
+        memory, lora = _full_memory(cfg, a, d, layers, top, tokens, profile, values), None
     global_tokens = (t.global_batch_size or t.batch_size * d.dp) * cfg.data.seq_len * (2 if dpo else 1)
     if cfg.lora.enabled:
         per_token = lora_flops(a, cfg.lora, cfg.data.seq_len)
@@ -107,18 +107,32 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
         on_gloo = is_host(pick_device(cfg.job.device))
     block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
 
-    phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers)
+    terms = loss_terms(cfg, a, d, top, tokens, profile.keeps_logits) if dpo else None
+    phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers,
+                         terms)
     share = None
     if dpo:
-        share = preference_share(cfg, a, d, layers, top, tokens, profile.sequence_parallel, world_size, global_tokens)
-        params, _, optimizer, kept, _, transient = memory
-        phases = add_reference(phases, share, params + optimizer + kept + policy_held(cfg, a, d, top, transient))
+        share = preference_share(cfg, a, d, layers, top, tokens, profile, world_size, global_tokens)
+        params, grads, optimizer = memory[:3]
+        before = params + optimizer + (grads if accumulation_steps(cfg, d) > 1 else 0.0)
+        phases = add_reference(phases, share, before)
         flops += share.forward_flops_per_step
     return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases, preference=share)
 
 
+def _planned_loss(cfg: Config, handle, device_memory: float | None) -> KernelsConfig:
+    """`[kernels]` with `loss = "auto"` resolved as training resolves it (preflight.choose_loss),
+    on the device planned for: `device_memory` bytes (a named accelerator's), else this machine's
+    job.device."""
+    if not device_memory or cfg.kernels.select.get("loss", "auto") != "auto":
+        return choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True)
+    logits = sequences_per_micro_batch(cfg) * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
+    pick = "chunked" if logits > AUTO_LOSS_MEMORY_FRACTION * device_memory else "reference"
+    return dataclasses.replace(cfg.kernels, select={**cfg.kernels.select, "loss": pick})
+
+
 def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],
-                 tokens: int, profile: ActivationProfile) -> list[float]:
+                 tokens: int, profile: ActivationProfile, loss_values: float | None = None) -> list[float]:
     """[params, grads, optimizer, activations, recompute, transient] bytes per rank of a full fine-tune."""
     local = sharded([x for layer in layers for x in layer] + top, d)
     compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4  # the copy FSDP gathers, the values
@@ -127,5 +141,6 @@ def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[T
     if d.dp == 1 and compute_bytes == 2:  # autocast's bf16 copies of the weights, kept for backward
         transient += 2.0 * local
     kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
-                                       profile.keeps_logits, compute_bytes, sp=profile.sequence_parallel)
+                                       profile.keeps_logits, compute_bytes, sp=profile.sequence_parallel,
+                                       loss_values=loss_values)
     return [local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient]

@@ -218,12 +218,13 @@ def expert_weight_bytes(a: Qwen3Args, targets: set[str], ep: int, ac: str,
 
 
 def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],
-                tokens: int, profile: ActivationProfile) -> tuple[list[float], LoraParams]:
+                tokens: int, profile: ActivationProfile,
+                loss_values: float | None = None) -> tuple[list[float], LoraParams]:
     """([params, grads, optimizer, activations, recompute, transient] bytes per rank of a LoRA
     run, its parameter counts). `layers`, `top`: the base tensors as a rank holds them before
     FSDP. FSDP gathers the base and the adapters in the compute dtype (its mixed-precision policy
     casts before the all-gather: bf16 under mixed_precision bf16, else fp32), and only the adapters
-    have unsharded gradients."""
+    have unsharded gradients. `loss_values`: as counts.activation_bytes takes it."""
     lo, ac = cfg.lora, cfg.parallelism.activation_checkpoint
     targets = lora_targets(a, lo)
     adapters = [layer_adapter_tensors(a, i, lo, targets, d.tp, d.ep) for i in range(a.num_layers)]
@@ -243,7 +244,7 @@ def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Te
         a, tokens, d.tp, ac, profile.keeps_logits, compute_bytes, sp=sp,
         extra=lambda i, mode: activation_elems(a, i, lo, targets, mode, compute_bytes, d.tp, sp),
         # the final norm's normalised value (this rank's share of the sequence): its weight is frozen
-        top_extra=-a.hidden_size * (1 / d.tp if sp else 1.0))
+        top_extra=-a.hidden_size * (1 / d.tp if sp else 1.0), loss_values=loss_values)
     expert_kept, expert_transient = expert_weight_bytes(a, targets, d.ep, ac, compute_bytes)
     if d.dp == 1 and compute_bytes == 2:  # autocast's bf16 copies of fp32 weights, saved for backward
         transient += 2.0 * (adapter_local + (base_local if base_dtype_bytes == 4 else 0))

@@ -17,6 +17,10 @@ without them):
   fp32 input (gloo, on CPU, clones it and allocates half as much again outside torch); the first
   block's reduce-scatter is still in flight beside either;
 - optimizer step: parameters, gradients and both moments (the fused AdamW adds no temporaries).
+With gradient accumulation (training.global_batch_size > batch_size x data-parallel ranks), every
+micro-batch after the first runs its forward and backward beside the gradients the earlier ones
+left (fp32, sharded under FSDP, which reduce-scatters each micro-batch's): both backward moments
+hold them too.
 Some buffers live until a collective completes, which varies from step to step. Untied under
 FSDP, the head's all-gather output can outlive the copy into its parameters, and (gloo) the clone
 of the head's reduce-scatter input can outlive that reduce-scatter into the embedding's: up to
@@ -36,12 +40,21 @@ from titanite.parallel.mesh import ParallelDims
 from titanite.plan.counts import Tensor
 
 
+def accumulation_steps(cfg: Config, d: ParallelDims) -> int:
+    """Micro-batches per optimizer step on each rank (as preflight counts them)."""
+    t = cfg.training
+    return max(1, (t.global_batch_size or t.batch_size * d.dp) // (t.batch_size * d.dp))
+
+
 def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], tokens: int, keeps_logits: bool,
-                memory: list[float], block_grads: int, on_gloo: bool, gloo_buffers: bool) -> dict[str, float]:
+                memory: list[float], block_grads: int, on_gloo: bool, gloo_buffers: bool,
+                loss_terms: tuple[float, float] | None = None) -> dict[str, float]:
     """The peak bytes per rank at each of a step's heaviest moments (the module docstring says
     what each holds). `top`: the vocabulary matrices as a rank holds them before FSDP; `memory`:
     [params, grads, optimizer, activations, recompute, transient] as estimator._full_memory counts them;
-    `block_grads`: the largest block's unsharded gradient elements."""
+    `block_grads`: the largest block's unsharded gradient elements. `loss_terms`: (what the loss
+    keeps, what its backward adds on top), for another objective's loss (DPO's,
+    titanite/plan/preference.py) instead of the language model's below."""
     params, grads, optimizer, kept, recompute, transient = memory
     c = 2 if cfg.training.mixed_precision == "bf16" else 4  # the compute copy and its gradients
     vocab = top[0].numel  # the embedding (and, tied, the head), this rank's tensor-parallel part
@@ -83,8 +96,12 @@ def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], t
         # gradient beside one rebuilt fp32 chunk and its 16-bit cast, then that cast beside its
         # 16-bit [V, H] product
         loss = max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab)))
-    states = params + optimizer  # the gradients are None until backward makes them
-    return {"loss backward": states + kept + transient + head + loss,
-            "blocks' backward": states + kept - loss_kept + recompute + transient + first,
+    if loss_terms is not None:
+        loss_kept, loss = loss_terms
+    states = params + optimizer
+    # the gradients are None until backward makes them, unless earlier micro-batches left theirs
+    during = states + (grads if accumulation_steps(cfg, d) > 1 else 0.0)
+    return {"loss backward": during + kept + transient + head + loss,
+            "blocks' backward": during + kept - loss_kept + recompute + transient + first,
             "backward end": states + grads + last,
             "optimizer step": params + grads + optimizer}

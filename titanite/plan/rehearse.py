@@ -171,7 +171,7 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
         p.activation_checkpoint, p.tp, p.ep, p.dp_shard, p.dp_replicate = ac, tp, ep, -1, 1
         try:
             validate_lora(trial)  # LoRA refuses some layouts (lora.dropout with tp > 1): no answer
-            total = estimate(trial, world_size, on_gloo=on_gloo).total
+            total = estimate(trial, world_size, on_gloo=on_gloo, device_memory=device_gib * GiB).total
         except UserError:  # degrees the config refuses, or that do not divide the world or the model
             continue
         if total / GiB <= device_gib:

@@ -37,8 +37,7 @@ def _preference_lines(e: Estimate, cfg: Config) -> list[str]:
     p, pr, S = e.preference, cfg.preference, cfg.data.seq_len
     pairs = f"{cfg.training.batch_size} pair{'s' if cfg.training.batch_size > 1 else ''}"
     lines = [f"DPO (loss {pr.loss_type}, beta {pr.beta:g}): {pairs} per micro-batch = "
-             f"{p.sequences} sequences x {S} (chosen, rejected); the loss keeps their whole fp32 logits "
-             "(no chunked loss for DPO)",
+             f"{p.sequences} sequences x {S} (chosen, rejected); log-probabilities {p.loss}",
              f"reference ({pr.reference}): {p.describe()}"]
     if p.kind == "model":
         lines[-1] += f", fp32, sharded as the policy, no gradients or optimizer state: " \

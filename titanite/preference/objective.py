@@ -85,9 +85,7 @@ class PreferenceObjective:
         return None if self.reference is None else self.reference.logps(b, "train")
 
     def _scores_with(self, b: dict[str, torch.Tensor], ref: Any) -> tuple[Any, PairScores, torch.Tensor]:
-        with self.autocast:
-            out = self.handle.forward_train(b, logits=True)
-        logps, tokens = sequence_logps(out.logits, b["labels"])
+        out, logps, tokens = sequence_logps(self.handle, b, self.autocast)
         (pc, pr), (nc, nr) = logps.chunk(2), tokens.chunk(2)
         ref_c, ref_r = ref if ref is not None else (None, None)
         return out, PairScores(pc, pr, nc, nr, ref_c, ref_r), pc

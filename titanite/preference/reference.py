@@ -39,9 +39,10 @@ from titanite.data.packing import PairWindows
 from titanite.data.store import TokenStore
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
+from titanite import kernels
 from titanite.kernels import IGNORE_INDEX
 from titanite.lora.native import LoraGroupedExperts, LoraLinear
-from titanite.models.handle import ModelHandle
+from titanite.models.handle import ModelHandle, TrainOutput
 from titanite.models.spec import get_spec
 from titanite.parallel import distributed
 from titanite.parallel.plans import parallelize
@@ -155,14 +156,24 @@ def adapters_off(module: torch.nn.Module) -> Iterator[None]:
             setattr(m, name, value)
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-probability of its labelled tokens, and how many there are.
-    logits [R, S, V], labels [R, S]; fp32 [R] each. Vocabulary-sharded logits (tensor parallel)
-    are gathered first: loss_parallel reduces only to a sum or a mean, not per token."""
-    logits = distributed.full_tensor(logits)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(labels.shape)
-    return -nll.sum(1), (labels != IGNORE_INDEX).sum(1).float()
+def sequence_logps(handle: ModelHandle, batch: dict[str, torch.Tensor], autocast: Any
+                   ) -> tuple[TrainOutput, torch.Tensor, torch.Tensor]:
+    """A forward of `handle` on a device batch: its output, and per row the summed log-probability
+    of the labelled tokens and how many there are (fp32 [R] each). The head's `loss` op gives one
+    sum per row (kernels.loss_per_row: the chunked loss never holds the [R, S, V] logits); a
+    vocabulary-sharded head (tensor parallel) returns logits, gathered here, as loss_parallel
+    reduces only to a sum or a mean."""
+    labels = batch["labels"]
+    with kernels.loss_per_row():
+        with autocast:
+            out = handle.forward_train(batch)
+    if out.loss_sum is not None:
+        nll = distributed.full_tensor(out.loss_sum)
+    else:
+        logits = distributed.full_tensor(out.logits)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                              reduction="none").view(labels.shape).sum(1)
+    return out, -nll, (labels != IGNORE_INDEX).sum(1).float()
 
 
 class Reference:
@@ -183,9 +194,7 @@ class Reference:
         self.handle.module.eval()
         try:
             with ctx:
-                with self.autocast:
-                    out = self.handle.forward_train(batch, logits=True)
-                logps, _ = sequence_logps(out.logits, batch["labels"])
+                _, logps, _ = sequence_logps(self.handle, batch, self.autocast)
         finally:
             self.handle.module.train(was_training)
         return logps.chunk(2)

@@ -120,7 +120,7 @@ class HFModel(ModelHandle):
             raise RuntimeError(f"{type(self.module.hf).__name__}: the output head is not a bias-free "
                                "nn.Linear, so titanite's loss call site cannot be installed")
 
-    def forward_train(self, batch: dict[str, torch.Tensor], logits: bool = False) -> TrainOutput:
+    def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
         """As the native model's: the cross-entropy from the `loss` op on the hidden states
         unless the head is vocabulary-sharded; for MoE models the load-balancing loss (x
         router_aux_loss_coef, only when config.json's output_router_logits is on) and the
@@ -128,7 +128,7 @@ class HFModel(ModelHandle):
         if self._installed is None:  # not attached: every call site runs its op's default
             self._install()
         a = self.args
-        fused = not (self.loss_from_logits or logits)  # `logits`: the caller needs them (preference losses)
+        fused = not self.loss_from_logits
         out = self.module.run(batch["input_ids"], batch["position_ids"], batch.get("document_ids"),
                               labels=batch["labels"] if fused else None)
         logits, loss_sum = (None, out.logits) if fused else (out.logits, None)

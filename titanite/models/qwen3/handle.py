@@ -84,14 +84,14 @@ class Qwen3Model(ModelHandle):
     def init_buffers(self) -> None:
         self.module.init_buffers()
 
-    def forward_train(self, batch: dict[str, torch.Tensor], logits: bool = False) -> TrainOutput:
+    def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
         """MoE models add: the auxiliary load-balancing loss x router_aux_loss_coef, only when
         config.json's output_router_logits is on (as transformers does), and expert-load stats
         (see moe_stats.routing_stats). Routed-token counts accumulate for the balancing bias.
 
         The cross-entropy comes from the model's `loss` op (no [B, S, V] logits), except when
         loss_from_logits (a vocabulary-sharded head)."""
-        fused = not (self.loss_from_logits or logits)  # `logits`: the caller needs them (preference losses)
+        fused = not self.loss_from_logits
         out = self.module(batch["input_ids"], position_ids=batch["position_ids"],
                           document_ids=batch.get("document_ids"), labels=batch["labels"] if fused else None)
         logits, loss_sum = (None, out) if fused else (out, None)

@@ -109,7 +109,7 @@ class OutputHead(nn.Linear):
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h)
-        return self.loss(h.flatten(0, -2), self.weight, labels.flatten(), kernels.IGNORE_INDEX)
+        return kernels.head_loss(self.loss, h, self.weight, labels)
 
 
 class TransformerBlock(nn.Module):
@@ -168,12 +168,13 @@ class Qwen3(nn.Module):
         """input_ids: [B, S] int64 -> logits [B, S, V]. document_ids: see hidden_states.
 
         With labels (int64 [B, S]): the fp32 cross-entropy summed over tokens whose label is not
-        kernels.IGNORE_INDEX, through the `loss` op, instead of the logits."""
+        kernels.IGNORE_INDEX, through the `loss` op, instead of the logits (per row [B] inside
+        kernels.loss_per_row())."""
         h = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
             return h @ self.head_weight().t() if self.output is None else self.output(h)
         if self.output is None:
-            return self.loss(h.flatten(0, -2), self.tok_embeddings.weight, labels.flatten(), kernels.IGNORE_INDEX)
+            return kernels.head_loss(self.loss, h, self.tok_embeddings.weight, labels)
         return self.output(h, labels)
 
     @torch.no_grad()
