@@ -143,12 +143,8 @@ def load_tokenizer(tokenizer_dir: Path):
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading ids a and b share (os.path.commonprefix works on any sequences)."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def dpo_tokenize(tok, row: dict) -> tuple[list[int], list[int], list[int]]:

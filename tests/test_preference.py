@@ -120,6 +120,7 @@ def torchrun(nproc: int, args: list[str]) -> None:
     ("dense", "hf", {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
     ("moe", "qwen3", {"parallelism.ep": 2}),
     ("moe", "hf", {"preference.reference": "precomputed"}),
+    ("dense", "qwen3", {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}),  # HSDP's replicas
 ])
 def test_two_ranks_equal_one_process(world, tmp_path, kind, spec, layout):
     # 2 steps of 4 pairs: the first 8 of the 10 pairs under both layouts (one epoch's whole batches)
@@ -128,6 +129,14 @@ def test_two_ranks_equal_one_process(world, tmp_path, kind, spec, layout):
                          **{k: v for k, v in extra.items() if not k.startswith("parallelism")}))
     torchrun(2, dpo_args(world, tmp_path / "two", kind=kind, form="standard", **extra))
     assert_same(read_metrics(tmp_path / "two"), one, rel=1e-5, grad_rel=1e-4)
+
+
+def test_activation_checkpointing_and_accumulation_change_nothing(world, tmp_path):
+    # 2 steps: the first 8 pairs in either micro-batch size (one epoch's whole batches)
+    plain = train(dpo_args(world, tmp_path / "plain", steps=2, **{"data.shuffle": False}))
+    other = train(dpo_args(world, tmp_path / "ac", steps=2, **{"data.shuffle": False, "training.batch_size": 1,
+                                                       "parallelism.activation_checkpoint": "full"}))
+    assert_same(other, plain, rel=1e-6, grad_rel=1e-6)
 
 
 # -- resume ----------------------------------------------------------------------------------------
