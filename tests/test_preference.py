@@ -80,6 +80,9 @@ def test_precomputed_reference_equals_the_live_one_and_is_kept_beside_the_token_
     assert live[0]["rewards/margins"] != 0  # a reference that differs from the policy
     pre = train(dpo_args(world, tmp_path / "pre", **{"preference.reference": "precomputed"}))
     assert_same(pre, live)
+    # MFU counts the live reference's forward: a third of the policy's training FLOPs on top
+    per_token = [r["mfu"] / r["tokens_per_sec"] for r in (live[0], pre[0])]
+    assert per_token[0] / per_token[1] == pytest.approx(4 / 3, rel=1e-9)
     cache = Path(os.environ["XDG_CACHE_HOME"]) / "titanite" / "tokens"
     files = list(cache.glob("*.reference-*.safetensors"))
     assert files, sorted(p.name for p in cache.iterdir())

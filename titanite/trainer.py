@@ -111,8 +111,8 @@ class Trainer:
         self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
         self.preference = (build_objective(cfg, ready, self.world, self.device, self.autocast, base_loader,
                                            self.evaluator) if cfg.training.objective == "dpo" else None)
-        if self.preference is not None and self.preference.runs_reference:
-            self.flops_per_token *= 4 / 3  # the reference's forward: a third of a training step's work
+        if self.preference is not None:  # MFU counts the reference's forward too
+            self.flops_per_token += self.preference.reference_flops_per_token(cfg.data.seq_len)
         self.mfu = Mfu(devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops),
                        self.flops_per_token, self.world.size, self.device, ready.compute_dtype)
         if ready.compute_dtype == torch.bfloat16:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from titanite.config import Config
+from titanite.models.flops import flops_per_token
 from titanite.parallel import distributed
 from titanite.preference.losses import PairScores, pair_loss
 from titanite.preference.reference import (Reference, adapters_are_reference, materialize_reference, sequence_logps,
@@ -39,8 +40,13 @@ class PreferenceObjective:
         self.cfg, self.pr = cfg, cfg.preference
         self.handle, self.world, self.device, self.autocast = handle, world, device, autocast
         self.reference = reference
-        # whether each step runs the reference's forward (MFU counts it)
-        self.runs_reference = reference is not None and reference.kind != "precomputed"
+
+    def reference_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs per token of the reference's forward in each step (0 when precomputed or none): a
+        third of a full model's training FLOPs, whatever the policy trains (LoRA or all)."""
+        if self.reference is None or self.reference.kind == "precomputed":
+            return 0.0
+        return flops_per_token(self.handle.args, seq_len) / 3
 
     def accumulate(self, batches: list[dict[str, torch.Tensor]], dropout_seed: Any
                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
