@@ -54,6 +54,8 @@ LOSSES = {
     "nca_pair": ("nca_pair", 0.0, 0.0),
     "bco_pair": ("bco_pair", 0.0, 0.0),
     "sppo_hard": ("sppo_hard", 0.0, 0.0),
+    "aot": ("aot", 0.1, 0.0),
+    "aot_unpaired": ("aot_unpaired", 0.1, 0.0),
     "apo_zero": ("apo_zero", 0.0, 0.0),
     "apo_down": ("apo_down", 0.0, 0.0),
     "discopop": ("discopop", 0.0, 0.0),

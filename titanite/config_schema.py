@@ -146,14 +146,14 @@ class LoraConfig:
 
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-                     "apo_zero", "apo_down", "discopop", "sigmoid_norm", "simpo")
+                     "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "simpo")
 REFERENCE_FREE_LOSSES = ("simpo",)
 
 
 @dataclass
 class PreferenceConfig:
     beta: float = _f(0.1, "How far the policy may move from the reference (TRL's beta; for 'ipo' the regulariser tau, for 'simpo' the reward scale).")
-    loss_type: str = _f("sigmoid", "The per-pair loss, as TRL 1.16 defines it: 'sigmoid' (DPO), 'ipo', 'hinge', 'robust' (with label_smoothing), 'exo_pair' (with label_smoothing), 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop' (with discopop_tau), 'sigmoid_norm' (length-normalised DPO), or the reference-free 'simpo' (length-normalised log-probabilities with the margin simpo_gamma, as TRL's CPOTrainer with loss_type='simpo').",
+    loss_type: str = _f("sigmoid", "The per-pair loss, as TRL 1.16 defines it: 'sigmoid' (DPO), 'ipo', 'hinge', 'robust' (with label_smoothing), 'exo_pair' (with label_smoothing), 'nca_pair', 'bco_pair', 'sppo_hard', 'aot' and 'aot_unpaired' (with label_smoothing; sorted within each micro-batch), 'apo_zero', 'apo_down', 'discopop' (with discopop_tau), 'sigmoid_norm' (length-normalised DPO), or the reference-free 'simpo' (length-normalised log-probabilities with the margin simpo_gamma, as TRL's CPOTrainer with loss_type='simpo').",
                         choices=PREFERENCE_LOSSES)
     label_smoothing: float = _f(0.0, "'robust': the probability that a preference label is flipped, in [0, 0.5); 'exo_pair': the epsilon of EXO, in (0, 1); 'simpo': the label smoothing of CPO's sigmoid loss.")
     simpo_gamma: float = _f(0.5, "'simpo': the target reward margin gamma (TRL's simpo_gamma).")

@@ -137,7 +137,8 @@ def loss_terms(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], to
     """(bytes the DPO loss keeps, bytes its backward adds on top at its peak), per rank, for
     phases.step_phases. One sequence at a time through the loss op (the module docstring): the
     backward's temporaries are one sequence's, the reference op's fp32 gradients of its NLL and
-    log-softmax, or the chunked op's fp32 head gradient and one chunk. Each call casts the head
+    log-softmax, or the chunked op's fp32 head gradient and one chunk, beside the head's gradient
+    the sequences before it left (a trained head: not LoRA's). Each call casts the head
     matrix to a 16-bit compute dtype itself when it is stored in fp32 without FSDP (FSDP gathers
     it in that dtype already) and keeps its copy for backward: one per sequence, where the
     language model's single call keeps one (in the transients). Under tensor parallel, the whole
@@ -154,7 +155,8 @@ def loss_terms(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], to
     if keeps_logits:
         return kept, 8.0 * S * V + copies
     chunk = min(S, chunk_rows(V)) * V
-    return kept, max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab))) + copies
+    summed = 4 * vocab if not cfg.lora.enabled and tokens > S else 0  # the head's gradient of the rows before
+    return kept, max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab))) + copies + summed
 
 
 def reference_forward_bytes(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]],

@@ -2,7 +2,8 @@
 
 Every function of a pair sees the policy's and the reference's summed completion log-probs,
 and the completion lengths (label tokens) for the length-normalised losses. The loss of a batch
-is the mean over its pairs; the trainer divides the sum by the number of pairs in the whole
+is the mean over its pairs ('aot' and 'aot_unpaired' sort the log-ratios within each
+micro-batch, as TRL sorts them within each device's batch); the trainer divides the sum by the number of pairs in the whole
 optimizer step instead, so micro-batches and data-parallel ranks add up to the same mean.
 """
 
@@ -77,6 +78,15 @@ def pair_loss(s: PairScores, cfg: PreferenceConfig) -> PairLoss:
         loss = (1 - torch.sigmoid(beta * chosen)) + torch.sigmoid(beta * rejected)
     elif kind == "apo_down":
         loss = torch.sigmoid(beta * chosen) + (1 - torch.sigmoid(beta * delta))
+    elif kind in ("aot", "aot_unpaired"):  # sorted within the batch: TRL's device batch, titanite's micro-batch
+        eps = cfg.label_smoothing
+        if kind == "aot":
+            pol = (s.chosen_logps - s.rejected_logps).sort(0).values
+            ref = (s.ref_chosen_logps - s.ref_rejected_logps).sort(0).values
+            z = beta * (pol - ref)
+        else:
+            z = beta * (chosen.sort(0).values - rejected.sort(0).values)
+        loss = -F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps
     elif kind == "discopop":
         z = beta * delta
         mix = torch.sigmoid(z / cfg.discopop_tau)
