@@ -5,11 +5,15 @@ Each broken rule raises `UserError` naming the key, the value and the rule."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
+from typing import Any
 
 from titanite.config_schema import REFERENCE_FREE_LOSSES, TRACKERS, Config, DataConfig, coerce
 from titanite.errors import UserError, did_you_mean
+
+log = logging.getLogger("titanite")
 
 
 def validate(cfg: Config) -> None:
@@ -49,6 +53,7 @@ def validate(cfg: Config) -> None:
     if not 0 < t.decay_ratio <= 1:
         raise UserError(f"config key 'training.decay_ratio' must be in (0, 1], got {t.decay_ratio}")
     positive("model.init_std", cfg.model.init_std, allow_zero=True)
+    validate_rope_scaling(cfg)
     validate_sources(d)
     positive("data.prefetch", d.prefetch, allow_zero=True)
     positive("model.moe_bias_update_rate", cfg.model.moe_bias_update_rate, allow_zero=True)
@@ -207,3 +212,84 @@ def validate_sources(d: DataConfig) -> None:
         if src["name"] in names:
             raise UserError(f"config key '{key}.name': {src['name']!r} names two sources; give each a distinct name")
         names.add(src["name"])
+
+
+# The scaled RoPE types titanite computes as transformers does for Qwen3, and the fields each
+# reads besides rope_type and rope_theta (transformers' RopeParameters). The same rules check
+# model.rope_scaling here and config.json's rope_parameters / rope_scaling (models/qwen3/args.py).
+ROPE_FIELDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"),
+}
+
+
+def validate_rope_scaling(cfg: Config) -> None:
+    """model.rope_scaling: a supported rope_type, only the fields it reads, each in range. What
+    needs the model (yarn's default original length, whether data.seq_len is reached) is
+    checked when the model is built, in preflight."""
+    table = cfg.model.rope_scaling
+    if not table:
+        return
+    theta = table.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise UserError(f"config key 'model.rope_scaling.rope_theta' must be a finite number > 0, got {theta!r}")
+    if "rope_type" not in table and "type" not in table:
+        raise UserError("config key 'model.rope_scaling.rope_type' is missing: name 'yarn', 'linear' or 'dynamic'")
+    rope_scaling_fields(table, "config key 'model.rope_scaling.{}'", strict=True)
+
+
+def rope_type_of(d: dict) -> Any:
+    """A rope_parameters-style dict's type, as transformers reads it (legacy files say "type")."""
+    return d.get("rope_type", d.get("type", "default"))
+
+
+def rope_scaling_fields(d: dict, at: str, strict: bool) -> dict[str, Any] | None:
+    """The checked fields of a rope_parameters-style dict, with rope_type ({} of a plain RoPE:
+    None), each in the range transformers' validation states (a factor <= 1 is refused). `at`
+    names a field in messages (a format string with {}). `strict` (titanite's own config)
+    refuses plain RoPE and keys the type does not read; config.json's are ignored with a
+    warning, as transformers ignores them."""
+    rope_type = rope_type_of(d)
+    if rope_type == "default" and not strict:
+        return None
+    if rope_type not in ROPE_FIELDS:
+        supported = ", ".join(map(repr, ROPE_FIELDS if strict else ("default", *ROPE_FIELDS)))
+        hint = " (leave model.rope_scaling out for the checkpoint's own RoPE)" if strict else ""
+        raise UserError(f"{at.format('rope_type')}: rope type {rope_type!r} is not supported; titanite computes "
+                        f"{supported} RoPE as transformers does for Qwen3{did_you_mean(str(rope_type), ROPE_FIELDS)}"
+                        f"{hint}")
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *ROPE_FIELDS[rope_type]}
+    for k in sorted(set(d) - known):
+        if strict:
+            raise UserError(f"{at.format(k)}: rope type {rope_type!r} reads no {k!r}{did_you_mean(k, known)}; "
+                            f"its fields are {', '.join(ROPE_FIELDS[rope_type])}")
+        log.warning("%s: rope type %r reads no %r; ignored, as transformers ignores it", at.format(k), rope_type, k)
+    if d.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError(f"{at.format('partial_rotary_factor')} must be 1 (Qwen3 rotates the whole head), "
+                        f"got {d['partial_rotary_factor']!r}")
+    kw: dict[str, Any] = {"rope_type": rope_type}
+    for k in ROPE_FIELDS[rope_type]:
+        v = d.get(k)
+        if v is None:
+            continue
+        if isinstance(v, float) and k == "original_max_position_embeddings" and v.is_integer():
+            v = int(v)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        rule, ok = {
+            "truncate": ("true or false", isinstance(v, bool)),
+            "original_max_position_embeddings": ("an integer >= 1", number and isinstance(v, int) and v >= 1),
+            "factor": ("a number > 1 (1 or less extends nothing)", number and v > 1),
+            "mscale": ("a number >= 0", number and v >= 0),
+            "mscale_all_dim": ("a number >= 0", number and v >= 0),
+        }.get(k, ("a number > 0", number and v > 0))
+        if not ok:
+            raise UserError(f"{at.format(k)} must be {rule}, got {v!r}")
+        kw[k] = v if k in ("truncate", "original_max_position_embeddings") else float(v)
+    if "factor" not in kw:
+        raise UserError(f"{at.format('factor')} is missing: rope type {rope_type!r} needs a factor > 1")
+    if (kw.get("beta_fast") or 32) < (kw.get("beta_slow") or 1):
+        raise UserError(f"{at.format('beta_fast')} ({kw.get('beta_fast') or 32}) must be at least "
+                        f"beta_slow ({kw.get('beta_slow') or 1}); their defaults are 32 and 1")
+    return kw

@@ -8,8 +8,8 @@ rule, and leaves the output folder as it was. What it checks:
 - no live run holds the output folder, and it can be written (not a file, not read-only);
 - every input path exists and is a regular file or folder (never a FIFO, socket or device);
 - the parallel degrees against the world size, then against the architecture;
-- the architecture itself (config.json values, see models/qwen3/args.py) and
-  `data.seq_len <= max_position_embeddings`;
+- the architecture itself (config.json values, see models/qwen3/args.py) and that the RoPE
+  settings reach `data.seq_len` (max_position_embeddings, or what the RoPE scaling extends it to);
 - kernel selections against the device and compute dtype;
 - the published weights when they will be loaded: safetensors only (a folder with only
   pickle weights is refused with how to convert), names, shapes, dtypes and sizes from the
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ from titanite.errors import UserError
 from titanite.files import check_writable_folder, require_regular
 from titanite import lora, trackers
 from titanite.models.handle import ModelHandle
-from titanite.models.qwen3.args import to_hf_config
+from titanite.models.qwen3.args import Qwen3Args, rope_reach, to_hf_config
 from titanite.models.spec import get_spec
 from titanite.parallel.mesh import ParallelDims
 from titanite.preference.reference import check_reference, reference_model_config
@@ -92,10 +93,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     if cfg.lora.enabled:  # before the kernels attach: the adapters replace modules they bind
         handle.apply_lora(cfg.lora)
     hf_config = handle.hf_config()
-    max_pos = hf_config.get("max_position_embeddings")
-    if max_pos is not None and cfg.data.seq_len > max_pos:
-        raise UserError(f"config key 'data.seq_len' ({cfg.data.seq_len}) exceeds the model's "
-                        f"max_position_embeddings ({max_pos}); lower data.seq_len")
+    check_rope_reach(handle.args, cfg.data.seq_len)
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     kernels_cfg = choose_loss(cfg, handle, device)
     handle.attach_kernels(kernels_cfg, device.type, compute_dtype)
@@ -123,6 +121,23 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
                         "data.packing = 'pad' (one sample per sequence)")
     return Prepared(cfg, device, compute_dtype, dims, handle, tokenizer, weights, grad_accum, reference,
                     reference_weights)
+
+
+def check_rope_reach(args: Qwen3Args, seq_len: int) -> None:
+    """data.seq_len within what the RoPE settings reach (rope_reach); else the model.rope_scaling
+    that reaches it: YaRN over the model's original length."""
+    if seq_len <= rope_reach(args):
+        return
+    s = args.rope_scaling
+    original = s.original_max_position_embeddings if s and s.rope_type == "yarn" else args.max_position_embeddings
+    factor = math.ceil(seq_len / original * 100) / 100
+    fix = (f"set model.rope_scaling = {{rope_type = 'yarn', factor = {factor}, "
+           f"original_max_position_embeddings = {original}}}")
+    if s is None:
+        raise UserError(f"config key 'data.seq_len' ({seq_len}) exceeds the model's max_position_embeddings "
+                        f"({args.max_position_embeddings}); lower data.seq_len, or extend the context with YaRN: {fix}")
+    raise UserError(f"config key 'data.seq_len' ({seq_len}) exceeds the {rope_reach(args)} positions the model's "
+                    f"RoPE scaling reaches ({s.rope_type}, factor {s.factor}); lower data.seq_len, or {fix}")
 
 
 # `loss = "auto"` chooses the chunked loss when one micro-batch's fp32 logits would take more than

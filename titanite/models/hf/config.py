@@ -19,12 +19,13 @@ from transformers import AutoConfig, PretrainedConfig
 from titanite.checkpoint.safetensors_io import read_hf_config
 from titanite.config import ModelConfig
 from titanite.errors import UserError
-from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config
+from titanite.models.qwen3.args import (Qwen3Args, from_hf_config, rope_fields, rope_parameters, to_hf_config,
+                                        with_rope_scaling)
 from titanite.models.qwen3.flavors import get_flavor
 
 log = logging.getLogger("titanite")
 
-# Qwen3Args field -> transformers config attribute (rope_theta lives in rope_parameters).
+# Qwen3Args field -> transformers config attribute (rope_theta and rope_scaling live in rope_parameters).
 _ATTRIBUTE = {
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -40,7 +41,7 @@ _ATTRIBUTE = {
 
 def resolve(cfg: ModelConfig) -> tuple[PretrainedConfig, Qwen3Args, dict[str, Any] | None]:
     """(transformers config pinned to the checkpoint, the same architecture as Qwen3Args, the
-    checkpoint's config.json dict or None for a flavor)."""
+    checkpoint's config.json dict or None for a flavor), with `model.rope_scaling` applied."""
     if cfg.hf_path:
         where = f"{cfg.hf_path}/config.json"
         source = read_hf_config(cfg.hf_path)
@@ -56,6 +57,11 @@ def resolve(cfg: ModelConfig) -> tuple[PretrainedConfig, Qwen3Args, dict[str, An
         args, source = get_flavor(cfg.flavor), None
         fields = to_hf_config(args)
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if cfg.rope_scaling:  # model.rope_scaling replaces the file's RoPE settings, in the export too
+        args = with_rope_scaling(args, cfg.rope_scaling)
+        config.rope_parameters = rope_parameters(args)
+        config.max_position_embeddings = args.max_position_embeddings
+        source = None if source is None else {**source, **rope_fields(args)}
     pin(config, args, where)
     return config, args, source
 
@@ -75,9 +81,8 @@ def pin(config: PretrainedConfig, want: Qwen3Args, where: str) -> None:
         # `value` is what the file states, or titanite's documented default where it is silent.
         log.warning("%s: transformers' config has %s=%r but %s gives %r; using %r",
                     type(config).__name__, f.name, have, where, value, value)
-        if f.name == "rope_theta":
-            rope = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": value}
-            config.rope_parameters = rope
+        if f.name in ("rope_theta", "rope_scaling"):
+            config.rope_parameters = rope_parameters(want)
         else:
             setattr(config, _ATTRIBUTE[f.name], list(value) if isinstance(value, tuple) else value)
     assert args_of(config, where) == want, f"could not pin {type(config).__name__} to {where}"

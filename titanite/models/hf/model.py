@@ -47,6 +47,7 @@ class HFCausalLM(nn.Module):
             mask = kernels.block_causal_mask(document_ids)
         # The MoE auxiliary loss is the handle's (from the routers' records), not transformers'.
         kw = {"output_router_logits": False} if self.args.is_moe else {}
+        self._forget_rope_length()
         with head_labels(labels), documents(document_ids if mask is None else None):
             return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **kw)
 
@@ -77,4 +78,17 @@ class HFCausalLM(nn.Module):
             # Reassigned, not copied into: it stays fp32 even after model.to(bfloat16).
             module.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
             module.original_inv_freq = module.inv_freq.clone()
+            module.max_seq_len_cached = module.original_max_seq_len
+
+    def _forget_rope_length(self) -> None:
+        """transformers' dynamic RoPE keeps the frequencies of the longest sequence it has seen
+        until one shorter than max_position_embeddings comes. A training step must depend on its
+        own batch only (and a resumed run not on where it resumed), so every forward starts from
+        the checkpoint's frequencies, as a freshly loaded model does and the native model computes."""
+        for module in self.hf.modules():
+            if getattr(module, "rope_type", None) != "dynamic":
+                continue
+            if module.max_seq_len_cached != module.original_max_seq_len:
+                module.inv_freq = module.original_inv_freq.clone()
+                module.max_seq_len_cached = module.original_max_seq_len
 

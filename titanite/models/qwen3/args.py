@@ -6,11 +6,35 @@ substitutes a library default for a value the checkpoint states (rope theta abov
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from titanite.config_checks import rope_scaling_fields, rope_type_of
 from titanite.errors import UserError
+
+log = logging.getLogger("titanite")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled RoPE in transformers' `rope_parameters` terms. Optional yarn fields left None take
+    transformers' defaults where the frequencies are computed (model.py RotaryEmbedding) and stay
+    out of the exported config.json, as transformers leaves them out."""
+
+    rope_type: str  # one of config_checks.ROPE_FIELDS
+    factor: float  # > 1
+    original_max_position_embeddings: int | None = None  # yarn (always set): the pretraining length
+    attention_factor: float | None = None  # yarn: scales cos/sin; default from factor (and mscale)
+    beta_fast: float | None = None  # yarn: default 32
+    beta_slow: float | None = None  # yarn: default 1
+    mscale: float | None = None  # yarn: with mscale_all_dim, sets the default attention_factor
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None  # yarn: default true
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -25,6 +49,7 @@ class Qwen3Args:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     tie_word_embeddings: bool = False
     # Mixture of experts (num_experts == 0 means dense).
     num_experts: int = 0
@@ -56,25 +81,76 @@ class Qwen3Args:
                 and (i + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **kw: Any) -> "Qwen3Args":
-        return type(self)(**{**asdict(self), **kw})
+        return replace(self, **kw)
 
 
 _SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _rope_theta(cfg: dict[str, Any], where: str) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict) or not isinstance(scaling, dict):
+def _rope(cfg: dict[str, Any], max_pos: int, where: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) as transformers reads them: the legacy `rope_scaling` when set, else
+    `rope_parameters`; theta from that dict, else the top-level `rope_theta` (never a default)."""
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+    if not isinstance(params or {}, dict) or not isinstance(scaling or {}, dict):
         raise UserError(f"{where}: rope_parameters / rope_scaling must be JSON objects")
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UserError(f"{where}: rope type '{rope_type}' is not supported (only default RoPE)")
-    key = "rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta"
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    name, chosen = ("rope_scaling", dict(scaling)) if scaling else ("rope_parameters", dict(params or {}))
+    if scaling and params and rope_type_of(params) != rope_type_of(scaling):
+        log.warning("%s: rope_scaling (%s) and rope_parameters (%s) differ; transformers reads rope_scaling, "
+                    "and so does titanite", where, rope_type_of(scaling), rope_type_of(params))
+    key = f"{name}.rope_theta" if "rope_theta" in chosen else "rope_theta"
+    theta = chosen.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
-        raise UserError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
-    return _positive_float({key: theta}, key, where)
+        raise UserError(f"{where}: no rope_theta (neither {name}.rope_theta nor rope_theta)")
+    theta = _positive_float({key: theta}, key, where)
+    if rope_type_of(chosen) == "yarn" and "original_max_position_embeddings" in cfg:
+        # transformers gives a top-level original_max_position_embeddings priority (Phi-3's layout)
+        chosen["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return theta, parse_rope_scaling(chosen, f"{where}: '{name}.{{}}'", max_pos, strict=False)
+
+
+def parse_rope_scaling(d: dict[str, Any], at: str, max_pos: int, strict: bool,
+                       original: int | None = None) -> RopeScaling | None:
+    """The scaling a rope_parameters-style dict states (None for plain RoPE), checked by
+    config_checks.rope_scaling_fields (`at`, `strict`: see there). yarn's pretraining length
+    defaults to `original`, else max_pos, as transformers defaults it to max_position_embeddings."""
+    kw = rope_scaling_fields(d, at, strict)
+    if kw is None:
+        return None
+    if kw["rope_type"] == "yarn":
+        kw.setdefault("original_max_position_embeddings", original or max_pos)
+    return RopeScaling(**kw)
+
+
+def with_rope_scaling(args: Qwen3Args, table: dict[str, Any]) -> Qwen3Args:
+    """`args` with titanite's `model.rope_scaling` table in place of the checkpoint's scaling (an
+    empty table: unchanged). yarn's original_max_position_embeddings defaults to the checkpoint's
+    own yarn value, else its max_position_embeddings; for yarn, max_position_embeddings becomes
+    original x factor, the length transformers and Qwen publish with YaRN."""
+    if not table:
+        return args
+    at = "config key 'model.rope_scaling.{}'"
+    theta = args.rope_theta
+    if "rope_theta" in table:
+        theta = _positive_float(table, "rope_theta", "config key 'model.rope_scaling'")
+    s = args.rope_scaling
+    scaling = parse_rope_scaling(table, at, args.max_position_embeddings, strict=True,
+                                 original=s.original_max_position_embeddings if s else None)
+    assert scaling is not None
+    max_pos = args.max_position_embeddings
+    if scaling.rope_type == "yarn":
+        max_pos = max(max_pos, int(scaling.original_max_position_embeddings * scaling.factor))
+    return args.replace(rope_theta=theta, rope_scaling=scaling, max_position_embeddings=max_pos)
+
+
+def rope_reach(args: Qwen3Args) -> int:
+    """The longest sequence the RoPE settings are meant for: max_position_embeddings, or for yarn
+    original x factor, for linear and dynamic max_position_embeddings x factor (vLLM's reading)."""
+    s, n = args.rope_scaling, args.max_position_embeddings
+    if s is None:
+        return n
+    if s.rope_type == "yarn":
+        return max(n, int(s.original_max_position_embeddings * s.factor))
+    return int(n * s.factor)
 
 
 _MISSING = object()
@@ -158,12 +234,12 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Qwen3Args
         num_layers=_int(cfg, "num_hidden_layers", where),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=_positive_float(cfg, "rms_norm_eps", where),
-        rope_theta=_rope_theta(cfg, where),
         max_position_embeddings=_int(cfg, "max_position_embeddings", where, default=40960),
         tie_word_embeddings=tie,
         bos_token_id=_token_id(cfg, "bos_token_id", vocab, where),
         eos_token_id=_token_id(cfg, "eos_token_id", vocab, where),
     )
+    kw["rope_theta"], kw["rope_scaling"] = _rope(cfg, kw["max_position_embeddings"], where)
     if model_type == "qwen3_moe":
         kw.update(_moe_kwargs(cfg, kw["num_layers"], where))
     return Qwen3Args(**kw)
@@ -209,9 +285,7 @@ def to_hf_config(args: Qwen3Args) -> dict[str, Any]:
         "head_dim": args.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "max_position_embeddings": args.max_position_embeddings,
+        **rope_fields(args),
         "tie_word_embeddings": args.tie_word_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -232,6 +306,24 @@ def to_hf_config(args: Qwen3Args) -> dict[str, Any]:
             output_router_logits=args.output_router_logits,
         )
     return cfg
+
+
+def rope_parameters(args: Qwen3Args) -> dict[str, Any]:
+    """transformers' `rope_parameters` for args: rope_type, rope_theta and the scaling's fields."""
+    s = args.rope_scaling
+    return {**(s.fields() if s else {"rope_type": "default"}), "rope_theta": args.rope_theta}
+
+
+def rope_fields(args: Qwen3Args) -> dict[str, Any]:
+    """The config.json keys that state the positions: transformers 5's rope_parameters, with the
+    top-level rope_theta and, for a scaled RoPE, the legacy rope_scaling that transformers 4 (and
+    vLLM on it) read, holding the same fields. transformers 5 reads rope_scaling first, so it also
+    replaces a stale one a checkpoint's own config.json carried into an export."""
+    out: dict[str, Any] = {"rope_theta": args.rope_theta, "rope_parameters": rope_parameters(args),
+                           "max_position_embeddings": args.max_position_embeddings}
+    if args.rope_scaling is not None:
+        out["rope_scaling"] = args.rope_scaling.fields()
+    return out
 
 
 def arg_names() -> list[str]:

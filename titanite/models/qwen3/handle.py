@@ -19,7 +19,7 @@ from titanite.errors import UserError
 from titanite.checkpoint.sharded import RegionGather
 from titanite.models.handle import ActivationProfile, AllReduce, ModelHandle, ModelOptions, TrainOutput
 from titanite.models.moe_stats import load_balancing_loss, routing_stats
-from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config
+from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config, with_rope_scaling
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.models.qwen3.model import Qwen3
 from titanite.models.qwen3.moe import moe_layers
@@ -30,11 +30,13 @@ log = logging.getLogger("titanite")
 
 def resolve_args(cfg: ModelConfig) -> tuple[Qwen3Args, dict[str, Any] | None]:
     """(architecture, the config.json it came from or None): config.json decides when hf_path is
-    set; otherwise the flavor does."""
+    set; otherwise the flavor does. `model.rope_scaling` replaces either's RoPE scaling."""
     if cfg.hf_path:
         source = read_hf_config(cfg.hf_path)
-        return from_hf_config(source, where=f"{cfg.hf_path}/config.json"), source
-    return get_flavor(cfg.flavor), None
+        args = from_hf_config(source, where=f"{cfg.hf_path}/config.json")
+    else:
+        args, source = get_flavor(cfg.flavor), None
+    return with_rope_scaling(args, cfg.rope_scaling), source
 
 
 def build(cfg: ModelConfig) -> Qwen3Model:

@@ -7,6 +7,8 @@ goes through `titanite.kernels.op` call sites, bound from `[kernels]` by `kernel
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -28,26 +30,87 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for given positions. `inv_freq` is a non-persistent buffer, recomputed by
-    `reset_parameters` after meta-device init (to_empty leaves it as garbage)."""
+    """cos/sin for given positions, as transformers' Qwen3 rotary embedding computes them with
+    its RoPE types (modeling_rope_utils): `inv_freq` from rope_theta and the scaling (linear and
+    YaRN scale it; dynamic NTK grows theta with the longest position of each forward), and cos/sin
+    times YaRN's attention factor (1 otherwise). `inv_freq` is a non-persistent buffer, recomputed
+    by `reset_parameters` after meta-device init (to_empty leaves it as garbage)."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, a: Qwen3Args) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.head_dim, self.theta, self.scaling = a.head_dim, a.rope_theta, a.rope_scaling
+        self.max_positions = a.max_position_embeddings  # dynamic: the length it starts to grow theta at
+        inv_freq, self.attention_scaling = self._frequencies()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _inv_freq(self) -> torch.Tensor:
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
-        return 1.0 / (self.theta ** exponent)
+    def _exponents(self, device: torch.device | None = None) -> torch.Tensor:
+        return torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim  # [D/2]
+
+    def _frequencies(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq [D/2] fp32, cos/sin scale) at the model's own length."""
+        s, D = self.scaling, self.head_dim
+        if s is None:
+            return 1.0 / (self.theta ** self._exponents()), 1.0
+        if s.rope_type == "linear":  # positions / factor, applied to the frequencies instead
+            return 1.0 / (self.theta ** self._exponents()) / s.factor, 1.0
+        if s.rope_type == "dynamic":  # theta grown for max_positions itself, i.e. unchanged
+            n = self.max_positions
+            base = self.theta * ((s.factor * n / n) - (s.factor - 1)) ** (D / (D - 2))
+            return 1.0 / (base ** self._exponents()), 1.0
+        return self._yarn()
+
+    def _yarn(self) -> tuple[torch.Tensor, float]:
+        """YaRN: frequencies that turn fewer than beta_slow times over the original length are
+        interpolated (divided by factor), those that turn more than beta_fast times are kept,
+        with a linear ramp over the dimensions between; cos/sin are scaled by attention_factor."""
+        s, D, theta = self.scaling, self.head_dim, self.theta
+        original = s.original_max_position_embeddings
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = s.attention_factor
+        if attention is None:
+            attention = (float(mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim))
+                         if s.mscale and s.mscale_all_dim else mscale(s.factor))
+
+        def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times in `original`
+            return (D * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = dimension(s.beta_fast or 32), dimension(s.beta_slow or 1)
+        if s.truncate is None or s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, D - 1)
+        if low == high:
+            high += 0.001  # no division by zero
+        ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
+        powers = theta ** self._exponents()
+        extrapolated, interpolated = 1.0 / powers, 1.0 / (s.factor * powers)
+        keep = 1 - ramp  # the share of each dimension's original frequency
+        return interpolated * (1 - keep) + extrapolated * keep, attention
 
     def reset_parameters(self) -> None:
         # Reassigned, not copied into: it stays fp32 even after model.to(bfloat16).
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        self.inv_freq = self._frequencies()[0].to(self.inv_freq.device)
+
+    def _dynamic_inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK: past max_positions, theta grows with this forward's length (the largest
+        position + 1), on the device, without a host sync. transformers' module also remembers
+        the longest length it has seen until a shorter-than-max_positions one comes; a forward
+        here depends only on its own positions, as in a freshly loaded transformers model."""
+        s, D, n = self.scaling, self.head_dim, self.max_positions
+        length = position_ids.max() + 1
+        grown_to = torch.maximum(length, torch.tensor(n, dtype=length.dtype, device=length.device))
+        base = self.theta * ((s.factor * grown_to / n) - (s.factor - 1)) ** (D / (D - 2))
+        grown = 1.0 / (base ** self._exponents(position_ids.device))
+        return torch.where(length > n, grown, self.inv_freq)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2], fp32
+        dynamic = self.scaling is not None and self.scaling.rope_type == "dynamic"
+        inv_freq = self._dynamic_inv_freq(position_ids) if dynamic else self.inv_freq
+        freqs = position_ids[..., None].float() * inv_freq  # [B, S, D/2], fp32
         angles = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
 
 
 class Attention(nn.Module):
@@ -137,7 +200,7 @@ class Qwen3(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.rotary = RotaryEmbedding(args)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.output = None if args.tie_word_embeddings else OutputHead(args.hidden_size, args.vocab_size)
