@@ -145,17 +145,19 @@ def check_rope_reach(args: Qwen3Args, seq_len: int) -> None:
 AUTO_LOSS_MEMORY_FRACTION = 0.10
 
 
-def choose_loss(cfg: Config, handle: ModelHandle, device: torch.device, quiet: bool = False) -> KernelsConfig:
+def choose_loss(cfg: Config, handle: ModelHandle, device: torch.device, quiet: bool = False,
+                memory: float | None = None) -> KernelsConfig:
     """`[kernels]` with `loss = "auto"` (the default) resolved by memory, and the choice logged
     with the numbers behind it. The chunked loss never holds the [tokens, V] logits but computes
     the head matmul again in backward (about 10% slower where memory is not short); an explicit
-    `loss = "chunked"` or `"reference"` is kept as it is."""
+    `loss = "chunked"` or `"reference"` is kept as it is. `memory`: bytes of the device to decide
+    for (the planner's named accelerator), default `device`'s."""
     select = cfg.kernels.select
     if select.get("loss", "auto") != "auto":
         return cfg.kernels
     rows = cfg.training.batch_size * (2 if cfg.training.objective == "dpo" else 1)  # a pair is two rows
     logits = rows * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
-    memory = devices.total_memory(device)
+    memory = memory or devices.total_memory(device)
     pick = "chunked" if logits > AUTO_LOSS_MEMORY_FRACTION * memory else "reference"
     if not quiet:
         log.info("kernel loss: auto -> %s (one micro-batch's logits, %d x %d tokens x %d vocab in fp32, take "

@@ -10,7 +10,8 @@ The modules, each importing only those listed before it:
   sharding and transients, activations per block);
 - `phases.py`: the peak of a step, moment by moment;
 - `lora.py`: a LoRA run's share (frozen base, adapters, their activations);
-- `preference.py`: a DPO run's share (two sequences per pair, the whole logits, the reference);
+- `preference.py`: a DPO run's share (two sequences per pair, their log-probabilities, the
+  reference and its forward);
 - `estimator.py`: `Estimate` and `estimate()`, which puts the parts together;
 - `report.py`: the estimate as printed;
 - `rehearse.py`: `--rehearse`, the real plan under a fake process group, and a layout that fits;

@@ -20,7 +20,6 @@ with the adapters off, precomputed or none) with its no-grad forward as a moment
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from titanite.config import Config, KernelsConfig
@@ -36,7 +35,7 @@ from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import accumulation_steps, step_phases
 from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, loss_terms, loss_values,
                                       preference_share, sequences_per_micro_batch)
-from titanite.preflight import AUTO_LOSS_MEMORY_FRACTION, check_layout, choose_loss
+from titanite.preflight import check_layout, choose_loss
 
 
 @dataclass
@@ -124,11 +123,7 @@ def _planned_loss(cfg: Config, handle, device_memory: float | None) -> KernelsCo
     """`[kernels]` with `loss = "auto"` resolved as training resolves it (preflight.choose_loss),
     on the device planned for: `device_memory` bytes (a named accelerator's), else this machine's
     job.device."""
-    if not device_memory or cfg.kernels.select.get("loss", "auto") != "auto":
-        return choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True)
-    logits = sequences_per_micro_batch(cfg) * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
-    pick = "chunked" if logits > AUTO_LOSS_MEMORY_FRACTION * device_memory else "reference"
-    return dataclasses.replace(cfg.kernels, select={**cfg.kernels.select, "loss": pick})
+    return choose_loss(cfg, handle, pick_device(cfg.job.device), quiet=True, memory=device_memory)
 
 
 def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],

@@ -76,7 +76,6 @@ class PreferenceShare:
     kind: str  # one of KINDS
     sequences: int  # per micro-batch: 2 x training.batch_size
     params_bytes: float  # the second copy's parameters, fp32, sharded (0 unless kind == 'model')
-    held_bytes: float  # its root group, kept gathered after its forward (FSDP, tied embeddings)
     forward_bytes: float  # its no-grad forward at the peak (transient; 0 without a live reference)
     forward_flops_per_step: float  # per rank, the reference's forwards (included in Estimate.flops_per_step)
     loss: str = ""  # how the sequences' log-probabilities are computed, for the report
@@ -84,7 +83,7 @@ class PreferenceShare:
     @property
     def reference_bytes(self) -> float:
         """What the reference holds in every moment of the step."""
-        return self.params_bytes + self.held_bytes
+        return self.params_bytes
 
     @property
     def live(self) -> bool:
@@ -156,18 +155,18 @@ def loss_terms(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], to
         return kept, 8.0 * S * V + copies
     chunk = min(S, chunk_rows(V)) * V
     summed = 4 * vocab if not cfg.lora.enabled and tokens > S else 0  # the head's gradient of the rows before
-    return kept, max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab))) + copies + summed
+    return kept, max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab)) + summed) + copies
 
 
 def reference_forward_bytes(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]],
-                            top: list[Tensor], tokens: int, profile: ActivationProfile, gathers_root: bool) -> float:
+                            top: list[Tensor], tokens: int, profile: ActivationProfile) -> float:
     """Bytes per rank the reference's no-grad forward adds at its peak (the module docstring):
     one block's working values or, at the head, the final hidden states with one row's logits
     (the reference op: in the compute dtype, their fp32 copy and log-softmax; the chunked op: one
     chunk's fp32 logits and logsumexp's shifted copy; under tensor parallel the whole micro-batch's,
     gathered), and, under FSDP, its gathered copies in the compute dtype: the biggest block twice
-    (current, prefetched), the head's group when untied, and the root group when tied and
-    `gathers_root` (a separate reference holds its root gathered all step instead)."""
+    (current, prefetched), the head's group when untied, and the root group when tied (a separate
+    reference reshards its root after its forward, so it holds none of it between forwards)."""
     c, V, S = _compute_bytes(cfg), a.vocab_size, cfg.data.seq_len
     cast = 4 if c != 4 else 0
     block = max(layer_activation_elems(a, i, d.tp, "none", profile.sequence_parallel)
@@ -178,11 +177,11 @@ def reference_forward_bytes(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: 
         logits = S * V * (c + cast + 4)
     else:
         logits = 8 * min(S, chunk_rows(V)) * V
-    head = tokens * a.hidden_size * c + logits
+    head = tokens * a.hidden_size * (c + cast) + logits  # the final hidden states (16-bit: and their fp32 norm)
     gathered = 0.0
     if d.dp > 1:
         gathered = 2 * max(sum(x.numel for x in layer) for layer in layers) * c
-        gathered += _root(a, d, top, c) if gathers_root else 0.0
+        gathered += _root(a, d, top, c)
         gathered += 0.0 if a.tie_word_embeddings else top[0].numel * c  # the head's group, for the logits
     return max(block, head) + gathered  # the block's values are gone when the head runs
 
@@ -194,20 +193,19 @@ def preference_share(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[li
     rank holds them before FSDP; `tokens`: one micro-batch's (both sequences of each pair);
     `global_tokens`: one optimizer step's over all ranks."""
     kind = reference_kind(cfg)
-    params = held = forward = flops = 0.0
+    params = forward = flops = 0.0
     if kind == "model":
         params = sharded([x for layer in layers for x in layer] + top, d) * 4.0
-        held = _root(a, d, top, _compute_bytes(cfg))
     if kind in ("model", "adapters off"):
-        forward = reference_forward_bytes(cfg, a, d, layers, top, tokens, profile, gathers_root=kind != "model")
+        forward = reference_forward_bytes(cfg, a, d, layers, top, tokens, profile)
         flops = flops_per_token(a, cfg.data.seq_len) / 3 * global_tokens / world_size
     if d.tp > 1:
         loss = "from the vocabulary-sharded logits, gathered whole (fp32)"
     elif profile.keeps_logits:
-        loss = "the loss op one sequence at a time, keeping its fp32 log-softmax"
+        loss = "from the loss op one sequence at a time (each keeps its fp32 log-softmax)"
     else:
-        loss = "the chunked loss op one sequence at a time (no [S, V] logits kept)"
-    return PreferenceShare(kind, sequences_per_micro_batch(cfg), params, held, forward, flops, loss)
+        loss = "from the chunked loss op one sequence at a time (no [S, V] logits kept)"
+    return PreferenceShare(kind, sequences_per_micro_batch(cfg), params, forward, flops, loss)
 
 
 def add_reference(phases: dict[str, float], share: PreferenceShare, before_forward: float) -> dict[str, float]:

@@ -42,8 +42,6 @@ def _preference_lines(e: Estimate, cfg: Config) -> list[str]:
     if p.kind == "model":
         lines[-1] += f", fp32, sharded as the policy, no gradients or optimizer state: " \
                      f"{p.reference_bytes / GiB:.3f} GiB per rank"
-        if p.held_bytes:
-            lines[-1] += f" (with its root group, {p.held_bytes / GiB:.3f} GiB, which FSDP2 keeps gathered)"
     if p.live:
         lines[-1] += f"; its no-grad forward adds {p.forward_bytes / GiB:.3f} GiB at its peak"
     return lines
@@ -66,8 +64,6 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
         ("recomputed block (checkpointing)", e.recompute), (f"transient ({transient})", e.transient)]
     if e.preference is not None and e.preference.kind == "model":
         rows.append(("reference model (frozen, fp32, sharded)", e.preference.params_bytes))
-        if e.preference.held_bytes:
-            rows.append(("reference's root group (kept gathered)", e.preference.held_bytes))
     if e.preference is not None and e.preference.live:
         rows.append(("reference forward (no grad, transient)", e.preference.forward_bytes))
     rows += [(f"at {name}", value) for name, value in e.phases.items()]

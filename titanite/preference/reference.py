@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from titanite.config import REFERENCE_FREE_LOSSES, Config, KernelsConfig, ModelConfig
 from titanite.data.packing import PairWindows
@@ -197,6 +198,10 @@ class Reference:
                 _, logps, _ = sequence_logps(self.handle, batch, self.autocast)
         finally:
             self.handle.module.train(was_training)
+        if self.kind == "model" and isinstance(self.handle.module, FSDPModule):
+            # FSDP2 keeps a root module's parameters gathered after its forward (it expects the
+            # backward); the frozen reference has none, so its root group goes back to shards.
+            self.handle.module.reshard()
         return logps.chunk(2)
 
     def logps(self, batch: dict[str, torch.Tensor], split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
