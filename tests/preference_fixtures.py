@@ -82,12 +82,16 @@ def standard_pairs() -> list[dict]:
     last two rows the prompt ends mid-word: " token" + "s" tokenizes as " tokens", so the tokenized
     prompt is not a prefix of prompt+completion and the completion starts where they diverge
     (for both completions in the first of them, for the rejected one only in the second, where
-    the earlier divergence decides for both)."""
+    the earlier divergence decides for both). The last row's prompt is chat markup."""
     rows = [{"prompt": f"question: {q}\nanswer:", "chosen": f" {c}", "rejected": f" {r}"}
             for q, c, r in _pair_texts()]
     rows.append({"prompt": "the model reads token", "chosen": "s and predicts the next token", "rejected": "s"})
     rows.append({"prompt": "the optimizer lowers the loss on every token", "chosen": " of training data",
                  "rejected": "s"})
+    # chat markup written into a standard-form prompt: its special tokens are single ids, as
+    # transformers' tokenizer parses them (a completion ending in the EOS text gets no second one)
+    rows.append({"prompt": "<|im_start|>user\nopposite of hot?<|im_end|>\n<|im_start|>assistant\n",
+                 "chosen": "cold<|im_end|>", "rejected": "warm, rather"})
     return rows
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,35 @@ def test_precomputed_reference_equals_the_live_one_and_is_kept_beside_the_token_
     again = train(dpo_args(world, tmp_path / "again", **{"preference.reference": "precomputed"}))
     assert "reference log-probabilities read from" in caplog.text
     assert [r["loss"] for r in again] == [r["loss"] for r in pre]
+
+
+def test_a_precomputed_reference_model_is_freed_before_training(world, tmp_path, monkeypatch):
+    import titanite.preference.objective as objective
+
+    seen = []
+    real = objective.materialize_reference
+
+    def spy(handle, *args):
+        real(handle, *args)
+        seen.append(weakref.ref(handle.module))
+
+    monkeypatch.setattr(objective, "materialize_reference", spy)
+    trainer = Trainer(load_config(None, dpo_args(world, tmp_path / "run", **{"preference.reference": "precomputed",
+                                                                              "data.seq_len": 80})))
+    try:
+        assert len(seen) == 1 and seen[0]() is None  # built, used, and gone
+    finally:
+        trainer.close()
+
+
+def test_a_changed_reference_is_not_read_from_the_precomputed_file(world, tmp_path):
+    """RoPE scaling changes every log-prob of the same weights: the file of the unscaled reference
+    must not serve it."""
+    scaled = {"model.rope_scaling": '{rope_type = "linear", factor = 2.0}', "data.seq_len": 88}
+    train(dpo_args(world, tmp_path / "plain", **{"preference.reference": "precomputed", "data.seq_len": 88}))
+    pre = train(dpo_args(world, tmp_path / "pre", **{"preference.reference": "precomputed", **scaled}))
+    live = train(dpo_args(world, tmp_path / "live", **scaled))
+    assert_same(pre, live)
 
 
 @pytest.mark.parametrize("spec", ["qwen3", "hf"])
@@ -170,20 +200,21 @@ def test_a_corrupt_checkpoint_is_passed_over(world, tmp_path, capsys):
 # -- evaluation and exports ------------------------------------------------------------------------
 
 
-def test_eval_reports_trl_names_and_exports_load(world, tmp_path):
+def test_eval_equals_the_training_step_it_would_be_and_the_export_loads(world, tmp_path):
+    """lr = 0 and the whole data one batch: the held-out pass over the same pairs, in padded batches
+    of 4, must give step 1's numbers (the loss with its SFT term, every reward metric)."""
     import transformers
 
     out = tmp_path / "run"
-    rows = train(dpo_args(world, out, steps=2, **{"eval.path": world["conversational"], "checkpoint.export_hf": True,
-                                                  "preference.sft_weight": 0.5}))
-    last = rows[-1]
-    for name in METRICS:
-        assert f"eval_{name}" in last, sorted(last)
-    assert last["eval_pairs"] == len(Path(world["conversational"]).read_text().splitlines())
-    assert 0 <= last["eval_rewards/accuracies"] <= 1
-    assert last["eval_rewards/margins"] == pytest.approx(last["eval_rewards/chosen"] - last["eval_rewards/rejected"],
-                                                         rel=1e-5, abs=1e-7)
-    assert last["tokens_per_sec"] > 0 and last["mfu"] > 0
+    n = len(Path(world["conversational"]).read_text().splitlines())
+    rows = train(dpo_args(world, out, steps=1, **{
+        "eval.path": world["conversational"], "eval.batch_size": 4, "checkpoint.export_hf": True,
+        "preference.sft_weight": 0.5, "training.lr": 0.0, "training.batch_size": n, "training.global_batch_size": n}))
+    (row,) = rows
+    assert row["eval_pairs"] == n
+    for name in ("loss", *METRICS):
+        assert row[f"eval_{name}"] == pytest.approx(row[name], rel=1e-6, abs=1e-7), name
+    assert row["tokens_per_sec"] > 0 and row["mfu"] > 0
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.isfinite(model(ids).logits).all()
@@ -252,6 +283,7 @@ def test_a_reference_of_another_architecture_or_tokenizer_is_refused(world, tmp_
     ({"preference.loss_type": "robust", "preference.label_smoothing": 0.5}, "[0, 0.5)"),
     ({"preference.loss_type": "dpo"}, "'sigmoid'"),
     ({"data.packing": "documents"}, "one sequence per row"),
+    ({"lora.enabled": True, "lora.adapter_path": "/somewhere", "preference.reference_path": ""}, "lora.adapter_path"),
 ])
 def test_config_mistakes_name_the_key(world, tmp_path, overrides, fragment):
     with pytest.raises(UserError) as e:

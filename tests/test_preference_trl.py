@@ -166,14 +166,16 @@ def test_trl_tokenizes_as_restated(pref_models, pref_tok, form):
     for row, (prompt, chosen, rejected) in zip(rows, tokenized):
         if form == "standard":
             assert tok.decode(chosen).endswith("<|im_end|>") and tok.decode(rejected).endswith("<|im_end|>")
-            assert tok.decode(prompt + chosen) == row["prompt"] + row["chosen"] + "<|im_end|>"
+            eos = "" if row["chosen"].endswith("<|im_end|>") else "<|im_end|>"  # appended once
+            assert tok.decode(prompt + chosen) == row["prompt"] + row["chosen"] + eos
         else:
             answer = row["chosen"][0]["content"]
             assert tok.decode(chosen) == f"<think>\n\n</think>\n\n{answer}<|im_end|>\n"
             assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
-    if form == "standard":  # the two rows whose prompt ends mid-word
-        assert tok.decode(tokenized[-2][1]).startswith(" tokens") and tok.decode(tokenized[-1][1]).startswith(" token ")
-        assert tok.decode(tokenized[-1][2]) == " tokens<|im_end|>"
+    if form == "standard":  # the two rows whose prompt ends mid-word, then the one in chat markup
+        assert tok.decode(tokenized[-3][1]).startswith(" tokens") and tok.decode(tokenized[-2][1]).startswith(" token ")
+        assert tokenized[-1][0][0] == tok.convert_tokens_to_ids("<|im_start|>")
+        assert tok.decode(tokenized[-2][2]) == " tokens<|im_end|>"
 
 
 def _hand_metrics(policy: Path, reference: Path | None, tok_dir: Path, rows: list[dict], loss: str) -> dict[str, float]:

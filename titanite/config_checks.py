@@ -123,6 +123,12 @@ def validate_preference(cfg: Config) -> None:
         raise UserError(f"config key 'preference.reference' is 'none', but loss_type {pr.loss_type!r} compares the "
                         "policy with a reference; set preference.reference = 'model' or 'precomputed', or use a "
                         f"reference-free loss ({', '.join(map(repr, REFERENCE_FREE_LOSSES))})")
+    if needs_reference and pr.reference != "none" and cfg.lora.enabled and cfg.lora.adapter_path and not pr.reference_path:
+        raise UserError("config key 'lora.adapter_path' is set for DPO with LoRA's default reference, the base with the "
+                        "adapters off: the reference would be the base, not the model the adapter starts from (TRL "
+                        "uses the starting adapter). Set preference.reference_path to that model merged (an earlier "
+                        "run's hf/ with checkpoint.export_merged) with preference.reference = 'precomputed' (no memory "
+                        "while training), or to model.hf_path to keep the base as the reference")
     if pr.reference_path and not needs_reference:
         raise UserError(f"config key 'preference.reference_path' is set, but loss_type {pr.loss_type!r} uses no "
                         "reference; leave it empty")

@@ -162,7 +162,7 @@ class PreferenceConfig:
     reference: str = _f("model", "The reference policy: 'model' (a frozen copy held during training, by default the policy's starting weights, or reference_path; with LoRA the base with the adapters switched off, no second copy), 'precomputed' (its log-probabilities computed once before training and kept beside the token store, so it takes no memory while training) or 'none' (reference-free losses: 'simpo').",
                         choices=("model", "precomputed", "none"))
     reference_path: str = _f("", "A Hugging Face folder holding the reference's weights (same architecture and tokenizer as the policy); empty = the policy's starting weights (with LoRA: the base with the adapters switched off). With LoRA, setting it holds that model as a separate frozen copy.")
-    sft_weight: float = _f(0.0, "Adds this times the chosen completions' mean token NLL to the loss (TRL's loss_type ['sigmoid', 'sft'] with loss_weights [1, sft_weight], the RPO objective's alpha); 0 = off.")
+    sft_weight: float = _f(0.0, "Adds this times the chosen completions' mean token NLL to the loss (TRL's loss_type ['sigmoid', 'sft'] with loss_weights [1, sft_weight], the RPO objective's alpha; the mean is over the chosen tokens of the whole step, where TRL averages per micro-batch); 0 = off.")
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # metrics.trackers' names

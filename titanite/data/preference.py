@@ -3,7 +3,8 @@
 Rows come from JSON lines, parquet or a `datasets` save_to_disk folder, in TRL's two forms:
 - standard: three strings. The tokenizer's EOS (tokenizer_config.json's eos_token, '<|im_end|>'
   for Qwen3's instruct models; not the document separator) is appended to each completion
-  (unless it ends with it already), as TRL does.
+  (unless it ends with it already), and special tokens written in the text are parsed as such
+  (chat markup in a prompt), as TRL does with transformers' tokenizer.
 - conversational: `prompt` a list of {role, content} messages, `chosen` and `rejected` lists of
   assistant messages. The prompt is rendered with the generation prompt, prompt + completion
   without it, both with the tokenizer's chat template (chat_template.py), so the completion
@@ -91,12 +92,12 @@ def tokenize_pair(row: dict[str, Any], tokenizer: Tokenizer, template: ChatTempl
         full = [template.encode(template.render(clean + [{k: v for k, v in m.items() if v is not None}
                                                          for m in row[f]]))[0] for f in ("chosen", "rejected")]
     else:
-        eos = tokenizer.completion_eos  # tokenizer_config.json's eos_token, as transformers' tokenizer has it
-        texts = [row["prompt"]]
-        for f in ("chosen", "rejected"):
-            texts.append(row["prompt"] + row[f].removesuffix(eos))
-        prompt_ids, *full = tokenizer.encode_batch(texts)
-        full = [ids + [tokenizer.completion_eos_id] for ids in full]
+        # As TRL: the EOS text (tokenizer_config.json's eos_token) appended unless already there, and
+        # special tokens in the text parsed as such, as transformers' tokenizer parses them.
+        eos = tokenizer.completion_eos
+        texts = [row["prompt"]] + [row["prompt"] + (row[f] if row[f].endswith(eos) else row[f] + eos)
+                                   for f in ("chosen", "rejected")]
+        prompt_ids, *full = tokenizer.encode_markup(texts)
     n = min(common_prefix_length(prompt_ids, ids) for ids in full)
     return prompt_ids[:n], full[0][n:], full[1][n:]
 

@@ -56,13 +56,20 @@ class Tokenizer:
         # The end of a completion, as transformers' tokenizer.eos_token: tokenizer_config.json's
         # eos_token ('<|im_end|>' for Qwen3's instruct models), else the separator.
         self.completion_eos = config_eos or eos_token
-        completion_eos_id = tok.token_to_id(self.completion_eos)
-        assert completion_eos_id is not None, self.completion_eos
-        self.completion_eos_id: int = completion_eos_id
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids for each text, with no special tokens added. Runs on the Rust thread pool."""
         return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode_markup(self, texts: list[str]) -> list[list[int]]:
+        """Token ids for each text with its special tokens parsed as such ('<|im_end|>' becomes one
+        id), as transformers' tokenizers encode: for text that is markup, not data (TRL's
+        standard-form preference rows). No special tokens are added."""
+        self._tok.encode_special_tokens = False
+        try:
+            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        finally:
+            self._tok.encode_special_tokens = True
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for `ids` (a list, or a 1-D int tensor/array); special tokens are kept."""

@@ -15,7 +15,6 @@ summing expert counts over ranks), the caller passes it in as a function.
 from __future__ import annotations
 
 import functools
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -75,13 +74,16 @@ class Lora:
     targets: list[lora.LoraTarget]
 
 
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, ModelHandle] = weakref.WeakKeyDictionary()
+# The module keeps its handle as an attribute: a cycle the garbage collector frees once neither is
+# used (a registry keyed by the module would keep every model built in the process alive, since
+# its value, the handle, holds the module).
+_HANDLE_ATTR = "_titanite_handle"
 
 
 def handle_of(module: nn.Module) -> ModelHandle:
     """The handle of a module that a titanite backend built (by `titanite.load_pretrained`, a
     trainer, or `ModelSpec.build`)."""
-    handle = _HANDLES.get(module)
+    handle = module.__dict__.get(_HANDLE_ATTR)
     if handle is None:
         raise TypeError(f"{type(module).__name__} was not built by titanite (titanite.load_pretrained or a "
                         "model spec's build); cannot tell its backend and Hugging Face layout")
@@ -110,7 +112,7 @@ class ModelHandle(ABC):
         # comes from sharded logits (loss_parallel), not from the fused loss op.
         self.vocab_parallel = False
         self.lora: Lora | None = None  # set by apply_lora
-        _HANDLES[module] = self
+        module.__dict__[_HANDLE_ATTR] = self
 
     # -- what the model is -----------------------------------------------------------------
 

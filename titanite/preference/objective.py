@@ -14,6 +14,7 @@ means over the step's pairs; evaluation reports them with `eval_` in front.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -98,40 +99,48 @@ class PreferenceObjective:
 
     @torch.no_grad()
     def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """The loss and TRL's metrics over the held-out pairs (every rank the same number of
-        batches; pairs past the end are masked out), as eval_<name>."""
+        """The loss (with sft_weight's term, as the training loss) and TRL's metrics over the
+        held-out pairs, as eval_<name>. Every rank runs the same number of batches; the pairs past
+        the end are left out before the loss, which for 'aot' sorts within the batch."""
         model = self.handle.module
         was_training = model.training
         model.eval()
-        sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
+        # METRICS, then the pair losses, the pairs, the chosen completions' NLL and their tokens
+        sums = torch.zeros(len(METRICS) + 4, dtype=torch.float64, device=self.device)
         try:
             for b in batches:
                 b = {k: v.to(self.device) for k, v in b.items()}
-                valid = b.pop("pair_valid").float()
+                valid = b.pop("pair_valid")
                 ref = None if self.reference is None else self.reference.logps(b, "eval")
-                _, scores, _ = self._scores_with(b, ref)
-                result = pair_loss(scores, self.pr)
-                sums[:-2] += _metric_sums(result, valid).double()
-                sums[-2] += (result.loss.detach() * valid).sum().double()
-                sums[-1] += valid.sum().double()
+                _, scores, chosen_sum = self._scores_with(b, ref)
+                result = pair_loss(_select(scores, valid), self.pr)
+                sums[:len(METRICS)] += _metric_sums(result).double()
+                sums[-4:] += torch.stack([result.loss.sum(), valid.sum(), -chosen_sum[valid].sum(),
+                                          scores.chosen_tokens[valid].sum()]).double()
         finally:
             model.train(was_training)
         sums = self.world.all_reduce_sum_dp(sums)
-        n = max(float(sums[-1]), 1.0)
-        row = {f"eval_{name}": float(v) / n for name, v in zip(METRICS, sums[:-2])}
-        row["eval_loss"], row["eval_pairs"] = float(sums[-2]) / n, int(sums[-1])
+        n = max(float(sums[-3]), 1.0)
+        row = {f"eval_{name}": float(v) / n for name, v in zip(METRICS, sums[:len(METRICS)])}
+        row["eval_loss"] = float(sums[-4]) / n
+        if self.pr.sft_weight:
+            row["eval_loss"] += self.pr.sft_weight * float(sums[-2]) / max(float(sums[-1]), 1.0)
+        row["eval_pairs"] = int(sums[-3])
         log.info("eval: preference loss %.4f, reward accuracy %.3f over %d pairs", row["eval_loss"],
                  row["eval_rewards/accuracies"], row["eval_pairs"])
         return row
 
 
-def _metric_sums(result: Any, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The METRICS of each pair, summed over the batch (each pair weighted by `weight`)."""
+def _select(s: PairScores, keep: torch.Tensor) -> PairScores:
+    """The pairs `keep` (bool [B]) of `s`."""
+    pick = (lambda t: None if t is None else t[keep])
+    return PairScores(*(pick(getattr(s, f.name)) for f in dataclasses.fields(PairScores)))
+
+
+def _metric_sums(result: Any) -> torch.Tensor:
+    """The METRICS of each pair, summed over the batch."""
     c, r = result.chosen_rewards, result.rejected_rewards
-    per_pair = torch.stack([c, r, (c > r).float(), c - r, result.chosen_logps, result.rejected_logps])
-    if weight is not None:
-        per_pair = per_pair * weight
-    return per_pair.float().sum(1)
+    return torch.stack([c, r, (c > r).float(), c - r, result.chosen_logps, result.rejected_logps]).float().sum(1)
 
 
 def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, autocast: Any, train: Any,
@@ -155,17 +164,21 @@ def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, a
         if cfg.preference.reference == "precomputed":
             m = cfg.model
             weights = ready.reference_weights if separate else m.hf_path
+            # what decides the reference's numbers: its weights, its resolved config (RoPE scaling
+            # included), the backend, device, precision and kernels
             key = {"weights": weights_identity(weights) if weights else ["init", m.spec, m.flavor, m.hf_path,
                                                                           m.init_std, cfg.job.seed],
+                   "config": (ready.reference if separate else ready.handle).hf_config(),
                    "adapters_off": not separate, "spec": m.spec, "device": device.type,
                    "precision": cfg.training.mixed_precision, "lora_base": cfg.lora.base_dtype,
-                   "kernels": cfg.kernels.select}
+                   "kernels": cfg.kernels.select, "plugins": cfg.kernels.plugins}
             size = cfg.training.batch_size
             reference.precompute("train", train.windows, train.store, key, size, device, materialize)
             if evaluator is not None:
                 reference.precompute("eval", evaluator.windows, evaluator.store, key,
                                      cfg.eval.batch_size or size, device, materialize)
             reference.kind = "precomputed"
+            ready.reference = None  # the last holder of the separate model, so release() frees it
             reference.release()
         else:
             materialize()

@@ -185,6 +185,7 @@ class Reference:
         self.handle, self.world, self.autocast = handle, world, autocast
         self.tables: dict[str, torch.Tensor] = {}
         self.materialized = True
+        self.separate = kind == "model"  # a model of its own (not the policy with adapters off)
 
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +245,7 @@ class Reference:
 
     def release(self) -> None:
         """Drop the model once every table is computed ('precomputed')."""
-        if self.handle is not None and self.kind != "adapters_off" and self.materialized:
+        if self.handle is not None and self.separate and self.materialized:
             log.info("preference: reference model released; training reads the precomputed log-probabilities")
         self.handle = None
         gc.collect()

@@ -89,7 +89,8 @@ class Qwen3Model(ModelHandle):
     def forward_train(self, batch: dict[str, torch.Tensor]) -> TrainOutput:
         """MoE models add: the auxiliary load-balancing loss x router_aux_loss_coef, only when
         config.json's output_router_logits is on (as transformers does), and expert-load stats
-        (see moe_stats.routing_stats). Routed-token counts accumulate for the balancing bias.
+        (see moe_stats.routing_stats). Routed-token counts accumulate for the balancing bias, in
+        training forwards only (not under no_grad: evaluation, a DPO reference's forward).
 
         The cross-entropy comes from the model's `loss` op (no [B, S, V] logits), except when
         loss_from_logits (a vocabulary-sharded head)."""
@@ -103,7 +104,7 @@ class Qwen3Model(ModelHandle):
         a = self.args
         records = [(i, m.last_routing) for i, m in layers]
         balance = load_balancing_loss([r for _, r in records], a.num_experts)
-        if self.options.moe_bias_update_rate:
+        if self.options.moe_bias_update_rate and torch.is_grad_enabled():  # not evaluation's or a reference's
             with torch.no_grad():
                 for (_, m), (_, r) in zip(layers, records):
                     m.router.tokens_per_expert += r.counts
