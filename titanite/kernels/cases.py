@@ -39,6 +39,17 @@ def _documents(lengths: list[int], B: int, device) -> Tensor:
     return ids.expand(B, -1).contiguous().to(device)
 
 
+def _many_documents(S: int, device) -> Tensor:
+    """Two rows [2, S] with different layouts: a document longer than the sdpa implementation's
+    groups (128 tokens) and then short ones; many short ones (1 to 9 tokens) and padding."""
+    short = [1 + (7 * i) % 9 for i in range(S)]
+    first = [S - 40] + short[:6]  # 30 tokens
+    first.append(S - sum(first))
+    second = short[:next(i for i in range(S) if sum(short[:i + 1]) > S - 30)]
+    second.append(S - sum(second))  # padding: a block of its own
+    return torch.cat([_documents(first, 1, device), _documents(second, 1, device)])
+
+
 class _ScaledExperts:
     """A stand-in for `moe.experts` when checking dispatch: expert e maps x to (e + 1) * x +
     tanh(x), so a token sent to the wrong expert, or un-permuted to the wrong slot, shows."""
@@ -85,6 +96,8 @@ def verify_cases(op: str, dtype: torch.dtype, device: torch.device) -> list[Case
                 Case("S=37 GQA 4:2", (r(2, 4, 37, 16), r(2, 2, 37, 16), r(2, 2, 37, 16), 0.25), (0, 1, 2)),
                 Case("packed docs 10+1+26", (r(2, 4, 37, 16), r(2, 2, 37, 16), r(2, 2, 37, 16), 0.25,
                                              _documents([10, 1, 26], 2, device)), (0, 1, 2)),
+                Case("packed docs, 2 layouts, 300 tokens", (r(2, 4, 300, 16), r(2, 2, 300, 16), r(2, 2, 300, 16),
+                                                            0.25, _many_documents(300, device)), (0, 1, 2)),
                 # Over a KV cache: the queries are the last positions of the keys.
                 Case("decode: 1 query, 9 keys", (r(1, 4, 1, 16), r(1, 2, 9, 16), r(1, 2, 9, 16), 0.25), (0, 1, 2)),
                 Case("chunk: 5 queries, 12 keys", (r(2, 4, 5, 16), r(2, 2, 12, 16), r(2, 2, 12, 16), 0.25), (0, 1, 2))]

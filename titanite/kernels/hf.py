@@ -99,15 +99,15 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 
     kernel = getattr(module, "attention", None)
     given = _DOCUMENTS.get()
-    if given is not None and attention_mask is None and query.shape[2] == key.shape[2]:
-        docs = given  # titanite's packed documents, as ids: no mask to read back
-        attention_mask = block_causal_mask(given)  # only used if the path below is not the op's
-    else:
-        docs = _document_ids(attention_mask, query.shape[2], key.shape[2])
+    from_ids = given is not None and attention_mask is None and query.shape[2] == key.shape[2]
+    # titanite's packed documents come as ids: no mask to read back, and none built for the op
+    docs = given if from_ids else _document_ids(attention_mask, query.shape[2], key.shape[2])
     plain = (isinstance(kernel, Kernel) and dropout == 0.0 and is_causal in (None, True)
              and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
              and getattr(module, "is_causal", True))
     if docs is _OTHER or not plain:
+        if from_ids:  # transformers' own attention takes the documents as a mask
+            attention_mask = block_causal_mask(given)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
