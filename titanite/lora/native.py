@@ -49,6 +49,8 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if not self.scale:  # adapters switched off (a DPO reference's forward): the base alone
+            return y
         return y + self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))) * self.scale
 
 
@@ -68,7 +70,7 @@ class LoraGroupedExperts(GroupedExperts):
 
     def effective(self, name: str) -> torch.Tensor:
         w = getattr(self, name)
-        if name not in self.adapted:
+        if name not in self.adapted or not self.scale:  # not adapted, or adapters switched off
             return w
         a, b = getattr(self, f"lora_{name}_A"), getattr(self, f"lora_{name}_B")
         # In the base's dtype, outside autocast, as peft folds it: the kernel op then casts the
