@@ -65,3 +65,19 @@ def add_model_args(parser) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
+
+
+def time_steps(trainer, steps: int, warmup: int) -> tuple[list[float], list[float], list[float]]:
+    """Drive `steps` optimizer steps of a Trainer by hand: (every step's loss, then the wall and
+    CPU seconds of the steps after the first `warmup`). Each step ends with its host read."""
+    losses, wall, cpu = [], [], []
+    for i in range(steps):
+        w, c = time.perf_counter(), time.process_time()
+        values = trainer.train_step().read()  # the host read: the step is done
+        w, c = time.perf_counter() - w, time.process_time() - c
+        trainer.step += 1
+        losses.append(values["loss"])
+        if i >= warmup:
+            wall.append(w)
+            cpu.append(c)
+    return losses, wall, cpu

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine
+from common import machine, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -107,16 +107,7 @@ def child(args: argparse.Namespace) -> None:
     trainer = Trainer(load_config(None, [f"--{k}={v}" for k, v in overrides.items()]))
     trainable, total = counts(trainer.model)
     built = vm_rss_bytes()
-    losses, wall, cpu = [], [], []
-    for i in range(args.warmup + args.steps):
-        w, c = time.perf_counter(), time.process_time()
-        values = trainer.train_step().read()  # the host read: the step is done
-        w, c = time.perf_counter() - w, time.process_time() - c
-        trainer.step += 1
-        losses.append(values["loss"])
-        if i >= args.warmup:
-            wall.append(w)
-            cpu.append(c)
+    losses, wall, cpu = time_steps(trainer, args.warmup + args.steps, args.warmup)
     peak = vm_hwm_bytes()  # before the profiled step, whose trace takes memory of its own
     tensor_peak = profiled_step_peak(trainer, Path(args.out) / "memory-trace.json")
     trainer.close()

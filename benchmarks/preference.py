@@ -72,7 +72,7 @@ import time
 import warnings
 from pathlib import Path
 
-from common import machine
+from common import machine, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -239,16 +239,7 @@ def titanite_child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     trainer = Trainer(cfg)
     setup = time.perf_counter() - start
-    losses, wall, cpu = [], [], []
-    for i in range(steps):
-        w, c = time.perf_counter(), time.process_time()
-        values = trainer.train_step().read()  # the host read: the step is done
-        w, c = time.perf_counter() - w, time.process_time() - c
-        trainer.step += 1
-        losses.append(values["loss"])
-        if i >= args.warmup:
-            wall.append(w)
-            cpu.append(c)
+    losses, wall, cpu = time_steps(trainer, steps, args.warmup)
     peak = vm_hwm_bytes()  # before the profiled step, whose trace takes memory of its own
     parts = rss_parts()
     probe = StepPeak(Path(args.out) / "trace.json")
