@@ -43,7 +43,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | N
         mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # one token sees every key
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     assert q_len == kv_len, "packed documents need the whole sequence (no KV cache)"
-    if document_ids.device.type == "meta":  # shapes only: nothing is allocated, nothing to read
+    if document_ids.is_meta:  # shapes only: nothing is allocated, nothing to read
         return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(document_ids), scale=scale,
                                               enable_gqa=gqa)
     if torch.compiler.is_compiling():
