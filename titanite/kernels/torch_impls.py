@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -43,7 +44,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | N
         mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # one token sees every key
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     assert q_len == kv_len, "packed documents need the whole sequence (no KV cache)"
-    if document_ids.is_meta:  # shapes only: nothing is allocated, nothing to read
+    # The spans are read from the ids on the host: free for a CPU tensor, a drained queue every
+    # step on an accelerator (and nothing to read on meta), where the mask path runs instead
+    # (`flex` is the packed-documents kernel for GPUs).
+    if not document_ids.is_cpu:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(document_ids), scale=scale,
                                               enable_gqa=gqa)
     if torch.compiler.is_compiling():
@@ -73,25 +77,22 @@ def document_spans(document_ids: Tensor, group_tokens: int = _GROUP_TOKENS) -> l
 
     A document is a contiguous run of one id; padding is a run of its own. An id that comes back
     after another document (not what packing makes, but the reference allows it) joins every run
-    between into one masked span, so the result stays exact. One host read of the ids."""
-    ids = document_ids.detach().to("cpu", torch.int64)
+    between into one masked span, so the result stays exact. The ids must be a CPU tensor (read
+    through numpy: no device queue to drain)."""
+    ids = document_ids.detach().numpy().astype(np.int64)  # a CPU tensor (the caller's check): no device read
     B, S = ids.shape
-    pos = torch.arange(S).expand(B, S)
-    # last[b, t]: the last position of token t's id in row b; a span may end after t only if
-    # every id seen so far ends there too.
-    _, inverse = torch.unique(ids, return_inverse=True)
-    key = inverse + torch.arange(B)[:, None] * (int(inverse.max()) + 1)
-    last = torch.zeros(int(key.max()) + 1, dtype=torch.int64).scatter_reduce(
-        0, key.flatten(), pos.flatten(), "amax", include_self=False)[key]
-    ends = last.cummax(dim=1).values == pos  # [B, S]: a block of whole documents ends at t
-    runs = torch.ones(B, S, dtype=torch.int64)
-    runs[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    runs = runs.cumsum(dim=1)  # runs started up to t
+    pos = np.arange(S)
     layouts = []
-    for b in range(B):
-        end = ends[b].nonzero().flatten()
-        lengths = torch.diff(end, prepend=end.new_tensor([-1])).tolist()
-        single = (torch.diff(runs[b, end], prepend=end.new_tensor([0])) == 1).tolist()
+    for row in ids:
+        # last[t]: the last position of token t's id; a span may end after t only if every id
+        # seen so far ends there too.
+        _, inverse = np.unique(row, return_inverse=True)
+        last_of = np.zeros(int(inverse.max()) + 1, dtype=np.int64)
+        np.maximum.at(last_of, inverse, pos)
+        end = np.flatnonzero(np.maximum.accumulate(last_of[inverse]) == pos)  # blocks of whole documents end here
+        runs = np.concatenate([[1], (row[1:] != row[:-1]).astype(np.int64)]).cumsum()  # runs started up to t
+        lengths = np.diff(end, prepend=-1).tolist()
+        single = (np.diff(runs[end], prepend=0) == 1).tolist()
         layouts.append(_group(lengths, single, group_tokens))
     return layouts
 
