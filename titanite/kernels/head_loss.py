@@ -37,9 +37,5 @@ def head_loss(loss: Callable[..., torch.Tensor], h: torch.Tensor, weight: torch.
     inside loss_per_row()."""
     if _PER_ROW.get():
         rows = h.reshape(*labels.shape, h.shape[-1])
-        device = h.device.type
-        if torch.is_autocast_enabled(device) and weight.dtype != torch.get_autocast_dtype(device):
-            # cast once for every row: autocast would keep one copy per row's matmul for backward
-            weight = weight.to(torch.get_autocast_dtype(device))
         return torch.stack([loss(rows[r], weight, labels[r], IGNORE_INDEX) for r in range(labels.shape[0])])
     return loss(h.flatten(0, -2), weight, labels.flatten(), IGNORE_INDEX)
