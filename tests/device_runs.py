@@ -19,10 +19,18 @@ from tests.conftest import REPO, read_metrics, run_cli
 REL_TOL = 1e-6  # fp32: the device computes with the CPU's kernels, through its own memory
 
 
+# One intra-op thread in every run compared across devices: on this 2-core machine two threads
+# made a CPU run of the same config differ from itself by ~6e-6 in the loss by step 2 or 3
+# (thread timing; the same program, data and seed), more than REL_TOL; with one thread the
+# runs repeat exactly.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def on_tdev(*args: str, module: str = "titanite.cli", env: dict | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` with the test device loaded."""
-    return run_cli("-m", module, *args, module="titanite_testdev.run", env=env, timeout=timeout)
+    """`python -m MODULE ARGS` with the test device loaded (one thread unless `env` says)."""
+    return run_cli("-m", module, *args, module="titanite_testdev.run", env={**ONE_THREAD, **(env or {})},
+                   timeout=timeout)
 
 
 def train_on_tdev(args: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -41,7 +49,7 @@ def torchrun_on_tdev(nproc: int, args: list[str], env: dict | None = None,
 
 
 def train_on_cpu(args: list[str]) -> subprocess.CompletedProcess:
-    proc = run_cli("train", *args, "--job.device=cpu")
+    proc = run_cli("train", *args, "--job.device=cpu", env=ONE_THREAD)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
 
