@@ -66,7 +66,7 @@ class PreferenceObjective:
         for micro, b in enumerate(batches):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             # no loss_parallel: sequence_logps gathers vocabulary-sharded logits itself
-            ref = self._reference_first(b)
+            ref = None if self.reference is None else self.reference.logps(b, "train")
             dropout_seed(micro)  # after the reference's forward, which must not move the masks
             out, scores, chosen_sum = self._scores_with(b, ref)
             result = pair_loss(scores, self.pr)
@@ -87,9 +87,6 @@ class PreferenceObjective:
             aux_total = self.world.all_reduce_sum_dp(aux_total)
         sums = self.world.all_reduce_sum_dp(sums) / pairs
         return total, aux_total, {**dict(zip(METRICS, sums)), **stats}
-
-    def _reference_first(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.reference is None else self.reference.logps(b, "train")
 
     def _scores_with(self, b: dict[str, torch.Tensor], ref: Any) -> tuple[Any, PairScores, torch.Tensor]:
         out, logps, tokens = sequence_logps(self.handle, b, self.autocast)
@@ -160,7 +157,6 @@ def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, a
                 materialize_reference(ready.reference, ready.reference_weights, cfg, world, device)
                 reference.materialized = True
 
-        reference.materialized = not separate
         if cfg.preference.reference == "precomputed":
             m = cfg.model
             weights = ready.reference_weights if separate else m.hf_path

@@ -184,8 +184,8 @@ class Reference:
         self.kind = kind  # 'model', 'adapters_off' or 'precomputed'
         self.handle, self.world, self.autocast = handle, world, autocast
         self.tables: dict[str, torch.Tensor] = {}
-        self.materialized = True
         self.separate = kind == "model"  # a model of its own (not the policy with adapters off)
+        self.materialized = not self.separate  # a separate model is allocated on first need
 
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
