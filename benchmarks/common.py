@@ -81,3 +81,9 @@ def time_steps(trainer, steps: int, warmup: int) -> tuple[list[float], list[floa
             wall.append(w)
             cpu.append(c)
     return losses, wall, cpu
+
+
+def apply_quick(args, steps: int) -> None:
+    """--quick: a smaller model (hidden 256, 4 layers) and one short repeat, for a smoke run."""
+    args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 256, 768, 4, 4, 2
+    args.repeats, args.warmup, args.steps = 1, 1, steps

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, time_steps
+from common import apply_quick, machine, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -280,8 +280,7 @@ def main() -> None:
         child(args)
         return
     if args.quick:
-        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 256, 768, 4, 4, 2
-        args.repeats, args.warmup, args.steps = 1, 1, 3
+        apply_quick(args, steps=3)
     print(machine())
     sys.stdout.flush()
     if args.only != "estimate":

@@ -67,7 +67,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine
+from common import apply_quick, machine
 from preference_child import child
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,8 +286,7 @@ def main() -> None:
         child(args)
         return
     if args.quick:
-        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 256, 768, 4, 4, 2
-        args.repeats, args.warmup, args.steps = 1, 1, 2
+        apply_quick(args, steps=2)
     print(machine())
     print(f"titanite: {titanite_state()}")
     sys.stdout.flush()
