@@ -75,16 +75,36 @@ def validate(cfg: Config) -> None:
     positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
     validate_trackers(cfg)
     p = cfg.parallelism
-    for key in ("dp_replicate", "tp", "ep", "collective_timeout_s"):
+    for key in ("dp_replicate", "tp", "cp", "ep", "collective_timeout_s"):
         positive(f"parallelism.{key}", getattr(p, key))
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise UserError(f"config key 'parallelism.dp_shard' must be -1 or >= 1, got {p.dp_shard}")
+    validate_context_parallel(cfg)
     if cfg.model.init == "pretrained" and not cfg.model.hf_path:
         raise UserError("config key 'model.init' is 'pretrained' but 'model.hf_path' is not set")
     if not cfg.job.output_dir:
         raise UserError("config key 'job.output_dir' must not be empty")
     validate_lora(cfg)
     validate_preference(cfg)
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """parallelism.cp against the sequence length and what runs under it."""
+    p, seq_len = cfg.parallelism, cfg.data.seq_len
+    if p.cp == 1:
+        return
+    unit = 2 * p.cp * p.tp
+    if seq_len % unit:
+        near = max(unit, seq_len // unit * unit)
+        raise UserError(f"config key 'data.seq_len' ({seq_len}) must be a multiple of 2 x parallelism.cp"
+                        f"{' x tp' if p.tp > 1 else ''} = {unit}: every sequence is cut into 2 x cp equal chunks "
+                        f"(x tp for sequence parallelism); e.g. data.seq_len = {near}")
+    if cfg.training.objective == "dpo":
+        raise UserError(f"parallelism.cp = {p.cp} with training.objective = 'dpo' is not supported yet: the "
+                        "sequence log-probabilities are not summed over the cp ranks; set parallelism.cp = 1")
+    if p.compile:
+        raise UserError(f"parallelism.cp = {p.cp} together with parallelism.compile = true is not supported yet "
+                        "(the key/value gathers inside compiled blocks are untested); turn one of them off")
 
 
 def validate_preference(cfg: Config) -> None:

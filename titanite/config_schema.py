@@ -185,6 +185,7 @@ class ParallelismConfig:
     dp_replicate: int = _f(1, "Replicated data-parallel degree (HSDP outer dimension).")
     dp_shard: int = _f(-1, "Sharded data-parallel degree (FSDP2); -1 = the rest of the world size.")
     tp: int = _f(1, "Tensor-parallel degree.")
+    cp: int = _f(1, "Context-parallel degree: every sequence is split over cp ranks (each holds the chunks i and 2cp-1-i of 2cp equal chunks, so causal attention costs every rank the same) and attention all-gathers the keys and values over them. data.seq_len must be a multiple of 2 x cp (x tp with tensor parallelism). FSDP shards over dp_shard x cp; each cp group reads one data-parallel slice of the batch.")
     ep: int = _f(1, "Expert-parallel degree (MoE). Expert-parallel ranks are taken from the dp_shard ranks, so ep must divide dp_shard.")
     activation_checkpoint: str = _f("none", "Recompute activations in backward to save memory: 'none', 'full' (each transformer block keeps only its input) or 'selective' (keep matmul and attention outputs, recompute norms, activations and RoPE).",
                                     choices=("none", "full", "selective"))

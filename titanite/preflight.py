@@ -156,13 +156,14 @@ def choose_loss(cfg: Config, handle: ModelHandle, device: torch.device, quiet: b
     if select.get("loss", "auto") != "auto":
         return cfg.kernels
     rows = cfg.training.batch_size * (2 if cfg.training.objective == "dpo" else 1)  # a pair is two rows
-    logits = rows * cfg.data.seq_len * handle.args.vocab_size * 4  # fp32 bytes
+    tokens = cfg.data.seq_len // cfg.parallelism.cp  # of each row, on this rank (context parallelism splits it)
+    logits = rows * tokens * handle.args.vocab_size * 4  # fp32 bytes
     memory = memory or devices.total_memory(device)
     pick = "chunked" if logits > AUTO_LOSS_MEMORY_FRACTION * memory else "reference"
     if not quiet:
         log.info("kernel loss: auto -> %s (one micro-batch's logits, %d x %d tokens x %d vocab in fp32, take "
                  "%.2f GiB = %.1f%% of the device's %.1f GiB; chunked above %d%%)", pick, rows,
-                 cfg.data.seq_len, handle.args.vocab_size, logits / 2**30, 100 * logits / memory, memory / 2**30,
+                 tokens, handle.args.vocab_size, logits / 2**30, 100 * logits / memory, memory / 2**30,
                  round(100 * AUTO_LOSS_MEMORY_FRACTION))
     return dataclasses.replace(cfg.kernels, select={**select, "loss": pick})
 
@@ -172,6 +173,11 @@ def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
     # titanite's reading of the architecture, in config.json's standard names: a checkpoint's
     # own file may spell them otherwise (transformers 5 writes num_local_experts).
     dims.check_model(to_hf_config(handle.args))
+    scaling = getattr(handle.args, "rope_scaling", None)
+    if dims.cp > 1 and scaling is not None and scaling.rope_type == "dynamic":
+        raise UserError(f"parallelism.cp = {dims.cp} with the model's 'dynamic' RoPE scaling: dynamic scaling depends "
+                        "on the longest position of each sequence, which no cp rank sees whole; use rope_type "
+                        "'yarn' or 'linear' (model.rope_scaling) or set parallelism.cp = 1")
     if dims.ep > 1 and not handle.supports_expert_parallel:
         raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
                         f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "

@@ -1,12 +1,14 @@
 """A training run's exports, written by rank 0 while every rank takes part in the gathers: the
 Hugging Face folder (titanite/checkpoint/hf_weights.py) and a LoRA run's peft adapter
-(titanite/lora/adapter.py)."""
+(titanite/lora/adapter.py); and the run's lm-eval benchmarks on its own module."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from titanite.checkpoint.hf_weights import export_hf
 from titanite.config import Config
@@ -40,3 +42,21 @@ def model(handle: ModelHandle, cfg: Config, tokenizer: Tokenizer, out: Path, ran
     else:
         for _ in tensors:  # every rank takes part in the gathers (it holds meta stand-ins)
             pass
+
+
+def loop_benchmarks(trainer: Any) -> Any:
+    """lm-eval on a training run's own (possibly sharded) module: every rank runs the same
+    requests with full logits (gathered over tensor-parallel shards, never the weights; under
+    context parallelism each rank runs the whole sequences, as no layout is active)."""
+    import torch.nn.functional as F
+
+    from titanite.harness import LoopBenchmarks
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        width = ids.shape[1]  # right-padded to a length sequence parallelism can split over tp
+        with trainer.autocast:
+            return distributed.full_tensor(trainer.model(F.pad(ids, (0, -width % trainer.world.tp))))[:, :width]
+
+    e = trainer.cfg.eval
+    return LoopBenchmarks(e, logits, trainer.tokenizer.path.parent, trainer.handle.args.max_position_embeddings,
+                          e.batch_size or trainer.cfg.training.batch_size, trainer.device, trainer.world.min_over_ranks)

@@ -35,6 +35,7 @@ from titanite.lora import adapter as lora_adapter
 from titanite.models.handle import TrainOutput
 from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
+from titanite.parallel.context import ContextParallel
 from titanite.parallel.grad_norm import clip_grad_norm_
 from titanite.parallel.plans import parallelize
 from titanite.preference.objective import build_objective
@@ -76,6 +77,7 @@ class Trainer:
             devices.set_host_memory_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
+        self.cp = ContextParallel(self.world.meshes["cp"]) if self.world.cp > 1 else None
         self.saver = Saver(cfg.checkpoint.async_mode, self.device, cfg.parallelism.collective_timeout_s)
         self.config_toml = to_toml(cfg)
         self.loader = base_loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
@@ -87,7 +89,7 @@ class Trainer:
                      "pinned" if pin else "pageable")
         self.evaluator = (Evaluator(cfg, self.tokenizer, self.world.dp_rank, self.world.dp_size)
                           if cfg.eval.path else None)
-        self.benchmarks = self._benchmarks() if cfg.eval.tasks else None
+        self.benchmarks = run_export.loop_benchmarks(self) if cfg.eval.tasks else None
         self.step = 0
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
@@ -246,6 +248,8 @@ class Trainer:
         one transfer): a non-finite loss or gradient norm is recorded by the watch and its update
         skipped on the device (found_inf), so the weights stay finite until a log or save stops the run."""
         batches = [self.loader.next_batch() for _ in range(self.accum)]
+        if self.cp is not None:  # this rank's chunks of every sequence
+            batches = [self.cp.split(b) for b in batches]
         self.model.train()
         dropout = self.handle.lora is not None and self.cfg.lora.dropout > 0
 
@@ -271,29 +275,35 @@ class Trainer:
         """The language-model objective's forwards and backwards over one step's micro-batches; the
         loss is normalised by the valid label tokens of the whole step (all micro-batches and ranks)."""
         n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
-        n_valid = self.world.all_reduce_sum_dp(n_valid.to(self.device, torch.float32)).clamp_min(1)
+        n_valid = self.world.all_reduce_sum_loss(n_valid.to(self.device, torch.float32)).clamp_min(1)
         total = torch.zeros((), device=self.device)
         aux_total: torch.Tensor | None = None
         stats: dict[str, torch.Tensor] = {}
         for micro, b in enumerate(batches):
             seed_dropout(micro)
-            with self.world.loss_parallel():  # vocab-sharded logits under tensor parallel
+            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+            with self.world.loss_parallel(), self._context(b):  # vocab-sharded logits under tensor parallel
                 out, loss_sum = self._forward(b)
                 loss = loss_sum / n_valid
                 total = total + loss.detach()
                 if out.aux_loss is not None:  # reported separately, and only when the model asks for it
                     # The mean over every micro-batch of the global batch: data-parallel
-                    # gradients are summed, so each rank's share is divided by their count too.
-                    aux = distributed.full_tensor(out.aux_loss) / (self.accum * self.world.dp_size)
+                    # gradients are summed, so each rank's share is divided by their count too
+                    # (cp ranks each hold the whole sequences' value: a 1/cp share each).
+                    aux = distributed.full_tensor(out.aux_loss) / (self.accum * self.world.loss_ranks)
                     aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
                     loss = loss + aux
                 loss.backward()
             for k, v in out.stats.items():
                 stats[k] = stats.get(k, 0.0) + v / self.accum
-        total = self.world.all_reduce_sum_dp(total)
+        total = self.world.all_reduce_sum_loss(total)
         if aux_total is not None:
-            aux_total = self.world.all_reduce_sum_dp(aux_total)
+            aux_total = self.world.all_reduce_sum_loss(aux_total)
         return total, aux_total, stats
+
+    def _context(self, batch: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Context parallelism's layout of a split device batch, for its forward and backward."""
+        return self.cp.micro_batch(batch) if self.cp is not None else contextlib.nullcontext()
 
     def _stop_if_nonfinite(self, before_save: bool) -> None:
         """Exit 3 when the watch recorded a non-finite step, or, before a save, when any
@@ -326,9 +336,8 @@ class Trainer:
             "checkpoint.")
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[TrainOutput, torch.Tensor]:
-        """The training forward of one micro-batch (call inside world.loss_parallel()): the model's
+        """The training forward of one device micro-batch (call inside world.loss_parallel()): the model's
         output and the summed fp32 cross-entropy over its valid labels."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with self.autocast:
             out = self.handle.forward_train(batch)
         loss_sum = out.loss_sum if out.loss_sum is not None else cross_entropy_sum(out.logits, batch["labels"])
@@ -337,9 +346,11 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Loss and perplexity on the held-out data (eval.path; titanite/eval.py) and the
         eval.tasks benchmark scores (titanite/harness.py)."""
-        def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:
-            with self.world.loss_parallel():
-                return self._forward(b)[1]
+        def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:  # of whole sequences, on every cp rank
+            b = self.cp.split(b) if self.cp is not None else b
+            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+            with self.world.loss_parallel(), self._context(b):
+                return self.world.all_reduce_sum_cp(self._forward(b)[1].detach())
 
         row: dict[str, float] = {}
         if self.evaluator is not None and self.preference is not None:
@@ -349,20 +360,6 @@ class Trainer:
         if self.benchmarks is not None:
             row |= self.benchmarks.run(self.model)
         return row
-
-    def _benchmarks(self) -> Any:
-        """lm-eval on this run's own (possibly sharded) module: every rank runs the same requests
-        with full logits (gathered over tensor-parallel shards, never the weights)."""
-        from titanite.harness import LoopBenchmarks
-
-        def logits(ids: torch.Tensor) -> torch.Tensor:
-            width = ids.shape[1]  # right-padded to a length sequence parallelism can split over tp
-            with self.autocast:
-                return distributed.full_tensor(self.model(F.pad(ids, (0, -width % self.world.tp))))[:, :width]
-
-        e = self.cfg.eval
-        return LoopBenchmarks(e, logits, self.tokenizer.path.parent, self.handle.args.max_position_embeddings,
-                              e.batch_size or self.cfg.training.batch_size, self.device, self.world.min_over_ranks)
 
     # -- saving -----------------------------------------------------------------------------
 

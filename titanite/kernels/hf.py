@@ -55,6 +55,7 @@ from torch import nn
 
 from titanite.kernels.attach import Kernel
 from titanite.kernels.head_loss import head_loss
+from titanite.kernels import context_parallel
 from titanite.kernels.reference_ops import block_causal_mask
 from titanite.kernels.routing import RoutingRecord, expert_counts
 
@@ -106,6 +107,10 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
              and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
              and getattr(module, "is_causal", True))
     if docs is _OTHER or not plain:
+        if context_parallel.current() is not None:
+            raise RuntimeError(f"{type(module).__name__}: context parallelism needs titanite's attention call site, "
+                               "but this call (a mask it cannot express, dropout or a sliding window) would go to "
+                               "transformers' own attention, which sees only this rank's chunks")
         if from_ids:  # transformers' own attention takes the documents as a mask
             attention_mask = block_causal_mask(given)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

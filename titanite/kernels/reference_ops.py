@@ -44,11 +44,14 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = Non
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
 
 
-def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, S, S] from document ids [B, S]: query i sees key j iff j <= i and both are in
-    the same document (packed samples)."""
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, S, S]
-    return (causal_mask(document_ids.shape[1], document_ids.shape[1], document_ids.device) & same)[:, None]
+def block_causal_mask(document_ids: torch.Tensor, q_len: int | None = None) -> torch.Tensor:
+    """bool [B, 1, Sq, S] from document ids [B, S]: the queries are the last Sq = q_len
+    positions (default all S), and query i sees key j iff j is not after it and both are in the
+    same document (packed samples)."""
+    S = document_ids.shape[1]
+    q_len = S if q_len is None else q_len
+    same = document_ids[:, S - q_len:, None] == document_ids[:, None, :]  # [B, Sq, S]
+    return (causal_mask(q_len, S, document_ids.device) & same)[:, None]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -57,8 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     Sq <= Sk: the queries are the last Sq positions (Sq < Sk when earlier keys come from a KV
     cache), and each sees the keys up to its own position.
 
-    document_ids: optional int [B, S] (Sq == Sk); when given, a token attends only to earlier
-    tokens of its own document (block-causal, for packed sequences). Softmax in fp32. Returns
+    document_ids: optional int [B, Sk], the documents of the keys; when given, a token attends
+    only to earlier tokens of its own document (block-causal, for packed sequences; Sq < Sk is a
+    context-parallel chunk of queries over the keys before it). Softmax in fp32. Returns
     [B, Hq, Sq, D] in q's dtype.
     """
     rep = q.shape[1] // k.shape[1]
@@ -68,8 +72,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     if document_ids is None:
         allowed = causal_mask(q.shape[2], k.shape[2], q.device)
     else:
-        assert q.shape[2] == k.shape[2], "packed documents need the whole sequence (no KV cache)"
-        allowed = block_causal_mask(document_ids)
+        assert document_ids.shape[1] == k.shape[2], "document_ids must cover the keys"
+        allowed = block_causal_mask(document_ids, q.shape[2])
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ vf).to(q.dtype)
 

@@ -34,27 +34,52 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 @register("attention", "sdpa")
 def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | None = None) -> Tensor:
     """F.scaled_dot_product_attention: is_causal (flash / efficient kernels) for whole sequences,
-    no mask for one new token over a KV cache, an explicit mask for a chunk over a cache. Packed
-    documents go span by span (`document_spans`): no [S, S] mask is ever built."""
+    no mask for one new token over a KV cache, an explicit mask for a chunk over a cache or a
+    context-parallel chunk over the keys before it (one mask per shape or ids tensor, shared by
+    every layer). Packed whole sequences go span by span (`document_spans`): no [S, S] mask is
+    ever built."""
     gqa = q.shape[1] != k.shape[1]
     q_len, kv_len = q.shape[2], k.shape[2]
     if document_ids is None:
         if q_len == kv_len:  # no mask at all: the kernels skip the blocks above the diagonal
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # one token sees every key
+        mask = None if q_len == 1 else _shared_mask(("causal", q_len, kv_len, q.device), None, q.dtype,
+                                                    lambda: causal_mask(q_len, kv_len, q.device))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    assert q_len == kv_len, "packed documents need the whole sequence (no KV cache)"
     # The spans are read from the ids on the host: free for a CPU tensor, a drained queue every
     # step on an accelerator (and nothing to read on meta), where the mask path runs instead
-    # (`flex` is the packed-documents kernel for GPUs).
-    if not document_ids.is_cpu:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(document_ids), scale=scale,
-                                              enable_gqa=gqa)
+    # (`flex` is the packed-documents kernel for GPUs); a chunk of queries over earlier keys
+    # (context parallelism) takes the mask path too.
+    if not document_ids.is_cpu or q_len != kv_len:
+        mask = _shared_mask(("docs", q_len), document_ids, q.dtype, lambda: block_causal_mask(document_ids, q_len))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if torch.compiler.is_compiling():
         # The spans are read from the ids on the host: a compiled graph would specialise on
         # them and recompile for every batch. (Wrapped here: torch.compiler.disable imports dynamo.)
         return torch.compiler.disable(_packed_sdpa)(q, k, v, scale, document_ids)
     return _packed_sdpa(q, k, v, scale, document_ids)
+
+
+_masks: dict = {}  # (kind, q_len, ..., dtype) -> (the ids it was built from or None, mask)
+
+
+def _shared_mask(key: tuple, ids: Tensor | None, dtype: torch.dtype, build) -> Tensor:
+    """The additive mask (0 where allowed, -inf elsewhere, in the queries' dtype) of the boolean
+    one `build` makes for `key` (and, for document masks, the very ids tensor `ids` at its
+    current version), built once and reused by every layer: autograd then keeps one copy for
+    the backward. (A boolean mask would be converted inside every call and each layer would keep
+    its own copy: measured, 4 bytes per element per layer.) At most a few are held; a new
+    step's ids replace the old."""
+    key = (*key, dtype) if ids is None else (*key, dtype, id(ids), ids._version)
+    hit = _masks.get(key)
+    if hit is not None and hit[0] is ids:
+        return hit[1]
+    if len(_masks) >= 4:
+        _masks.clear()
+    allowed = build()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    _masks[key] = (ids, mask)
+    return mask
 
 
 # Short documents are attended together, in groups of up to this many tokens with a mask of
@@ -162,10 +187,10 @@ def _flex_block_mask(document_ids: Tensor | None, B: int, q_len: int, kv_len: in
             return q_idx + offset >= kv_idx
         block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
     else:
-        docs = document_ids
+        docs, offset = document_ids, kv_len - q_len  # the queries are the last q_len positions
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+            return (q_idx + offset >= kv_idx) & (docs[b, q_idx + offset] == docs[b, kv_idx])
         block_mask = create_block_mask(mask_mod, B, None, q_len, kv_len, device=device)
     _flex_cache.clear()  # one step's mask at a time; the next batch brings new document ids
     _flex_cache[key] = (document_ids, block_mask)

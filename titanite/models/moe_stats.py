@@ -10,7 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from titanite.kernels import context_parallel
 from titanite.kernels.routing import RoutingRecord
+
+
+def pooled(records: list[tuple[int, RoutingRecord]]) -> list[tuple[int, RoutingRecord]]:
+    """The layers' records over the whole sequences: under context parallelism each rank routed
+    only its chunks, so counts and probabilities are summed over the cp group (one all-reduce of
+    each, all layers stacked); otherwise the records as they are."""
+    if not records or context_parallel.current() is None:
+        return records
+    counts, probs, tokens = context_parallel.pool_routing(torch.stack([r.counts for _, r in records]),
+                                                          torch.stack([r.prob_sum for _, r in records]),
+                                                          records[0][1].num_tokens)
+    return [(i, RoutingRecord(c, p, tokens)) for (i, _), c, p in zip(records, counts, probs)]
 
 
 def load_balancing_loss(records: list[RoutingRecord], num_experts: int) -> torch.Tensor:

@@ -43,10 +43,33 @@ class World:
     def tp(self) -> int:
         return self.dims.tp if self.dims else 1
 
+    @property
+    def cp(self) -> int:
+        return self.dims.cp if self.dims else 1
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks whose losses add up to the step's: the data-parallel ranks x their cp ranks."""
+        return self.dp_size * self.cp
+
     def all_reduce_sum_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` in place over the data-parallel ranks (tensor-parallel peers hold the same value)."""
+        """Sum `t` in place over the data-parallel ranks (tensor- and context-parallel peers hold
+        the same value)."""
         if self.dp_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.meshes["dp"].get_group())
+        return t
+
+    def all_reduce_sum_loss(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over the ranks that hold different tokens: data-parallel x
+        context-parallel (each cp rank's loss and token count cover its chunks only)."""
+        if self.loss_ranks > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.meshes["loss"].get_group())
+        return t
+
+    def all_reduce_sum_cp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over this rank's context-parallel group (the whole sequences' value)."""
+        if self.cp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.meshes["cp"].get_group())
         return t
 
     def any_rank(self, flag: bool) -> bool:

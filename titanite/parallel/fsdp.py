@@ -27,7 +27,7 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
 
 
 def uses_fsdp(world: World) -> bool:
-    return world.dims is not None and (world.dims.dp > 1)
+    return world.dims is not None and (world.dims.dp > 1 or world.dims.cp > 1)
 
 
 def shard_model(root: nn.Module, groups: Sequence[nn.Module | list[nn.Module]], world: World,

@@ -1,11 +1,14 @@
 """Parallel degrees from `[parallelism]`, their checks, and the device mesh built from them.
 
-The world is laid out as `dp_replicate x dp_shard x tp` ranks (tp innermost, so a tensor-parallel
-group sits on neighbouring ranks, i.e. inside one node). Expert parallelism borrows its ranks from
-dp_shard: an `ep` group is `ep` neighbouring dp_shard ranks, and the experts are sharded across
-it instead of being FSDP-sharded there. Every other parameter is FSDP-sharded over all of
-dp_shard, as without EP. Every data-parallel rank (dp_replicate x dp_shard, ep included) reads
-its own slice of the global batch.
+The world is laid out as `dp_replicate x dp_shard x cp x tp` ranks (tp innermost, so a
+tensor-parallel group sits on neighbouring ranks, i.e. inside one node; a context-parallel group
+next to it, as it exchanges keys and values in every layer). Expert parallelism borrows its ranks
+from dp_shard: an `ep` group is `ep` neighbouring dp_shard ranks, and the experts are sharded
+across it instead of being FSDP-sharded there. Every other parameter is FSDP-sharded over
+dp_shard x cp, as without EP (the cp ranks of a group hold the same weights and different
+tokens, so to FSDP they are data-parallel ranks). Every data-parallel rank (dp_replicate x
+dp_shard, ep included) reads its own slice of the global batch; its cp ranks split each of its
+sequences (titanite/parallel/context.py).
 """
 
 from __future__ import annotations
@@ -26,24 +29,28 @@ class ParallelDims:
     tp: int
     ep: int
     world_size: int
+    cp: int = 1
 
     @classmethod
     def resolve(cls, p: ParallelismConfig, world_size: int) -> ParallelDims:
         """Fill in dp_shard = -1 and check that the degrees multiply to the world size."""
         dp_shard = p.dp_shard
+        cp = p.cp
         if dp_shard == -1:
-            rest = p.dp_replicate * p.tp
+            rest = p.dp_replicate * cp * p.tp
             if world_size % rest:
+                degrees = f"parallelism.dp_replicate ({p.dp_replicate}) x " + (f"cp ({cp}) x " if cp > 1 else "parallelism.")
                 raise UserError(
-                    f"parallelism.dp_replicate ({p.dp_replicate}) x parallelism.tp ({p.tp}) = {rest} does not "
-                    f"divide the world size {world_size}, so parallelism.dp_shard = -1 cannot take the rest")
+                    f"{degrees}tp ({p.tp}) = {rest} does not divide the world size {world_size}, so "
+                    f"parallelism.dp_shard = -1 cannot take the rest")
             dp_shard = world_size // rest
-        product = p.dp_replicate * dp_shard * p.tp
+        product = p.dp_replicate * dp_shard * cp * p.tp
         if product != world_size:
+            degrees = f"dp_shard ({dp_shard}) x " + (f"cp ({cp}) x " if cp > 1 else "")
             raise UserError(
-                f"parallelism.dp_replicate ({p.dp_replicate}) x dp_shard ({dp_shard}) x tp ({p.tp}) = {product}, "
-                f"but the world size is {world_size} (torchrun --nnodes x --nproc_per_node); make the product "
-                f"match or set parallelism.dp_shard = -1")
+                f"parallelism.dp_replicate ({p.dp_replicate}) x {degrees}tp ({p.tp}) = {product}, but the world size "
+                f"is {world_size} (torchrun --nnodes x --nproc_per_node); make the product match or set "
+                f"parallelism.dp_shard = -1")
         if dp_shard % p.ep:
             raise UserError(
                 f"parallelism.ep ({p.ep}) must divide parallelism.dp_shard ({dp_shard}): expert-parallel ranks "
@@ -52,7 +59,7 @@ class ParallelDims:
             # Compiled blocks fail in backward at the sequence-parallel redistributions.
             raise UserError(f"parallelism.compile = true together with parallelism.tp ({p.tp}) is not supported; "
                             f"turn one of them off")
-        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
+        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size, cp)
 
     @property
     def dp(self) -> int:
@@ -75,22 +82,39 @@ class ParallelDims:
             if value is None or value % degree:
                 raise UserError(f"parallelism.{key} ({degree}) must divide {field} ({value}) of {where}")
 
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks a parameter is FSDP-sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
     def build_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
-        """The device meshes, by role. 'world' is (dp_replicate, dp_shard, tp); 'dp' its flattened
-        data-parallel ranks; 'fsdp' the FSDP mesh (1-D dp_shard, or 2-D (dp_replicate, dp_shard)
-        for HSDP); 'tp'. With EP, dp_shard is split into (dp_shard_mod_ep, ep): 'ep' shards the
-        experts and 'fsdp_experts' FSDP-shards them over the ranks that hold the same experts."""
-        names = ("dp_replicate", "dp_shard", "tp")
-        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
-        meshes = {"world": world, "dp": world["dp_replicate", "dp_shard"]._flatten("dp"), "tp": world["tp"]}
-        meshes["fsdp"] = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
+        """The device meshes, by role. 'world' is (dp_replicate, dp_shard, cp, tp); 'dp' its
+        flattened data-parallel ranks; 'cp' and 'tp'; 'loss' the ranks a step's loss and token
+        count are summed over (dp x cp); 'fsdp' the FSDP mesh (1-D dp_shard x cp, or 2-D
+        (dp_replicate, dp_shard x cp) for HSDP). With EP, dp_shard is split into
+        (dp_shard_mod_ep, ep): 'ep' shards the experts and 'fsdp_experts' FSDP-shards them over
+        the ranks that hold the same experts (dp_shard_mod_ep x cp)."""
+        names = ("dp_replicate", "dp_shard", "cp", "tp")
+        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                 mesh_dim_names=names)
+        meshes = {"world": world, "dp": world["dp_replicate", "dp_shard"]._flatten("dp"), "tp": world["tp"],
+                  "cp": world["cp"]}
+        meshes["loss"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp") if self.cp > 1 else meshes["dp"]
+        shard = world["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else world["dp_shard"]
+        meshes["fsdp"] = world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"] \
+            if self.dp_replicate > 1 else shard
         if self.ep > 1:
             split = world._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
             meshes["ep"] = split["ep"]
-            meshes["fsdp_experts"] = (split["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1
-                                      else split["dp_shard_mod_ep"])
+            inner = "dp_shard_mod_ep"
+            if self.cp > 1:
+                split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+                inner = "dp_shard_mod_ep_cp"
+            meshes["fsdp_experts"] = split["dp_replicate", inner] if self.dp_replicate > 1 else split[inner]
         return meshes
 
     def describe(self) -> str:
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"ep={self.ep}"]
+        if self.cp > 1:
+            parts.insert(2, f"cp={self.cp}")
         return f"{self.world_size} ranks ({', '.join(parts)})"

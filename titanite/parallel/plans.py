@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+import torch
+
 from titanite.config import Config
 from titanite.errors import UserError
 from titanite.models.handle import ModelHandle
@@ -36,3 +38,9 @@ def parallelize(handle: ModelHandle, world: World, cfg: Config) -> None:
     if backend not in _PLANS:
         raise UserError(f"model.spec = '{backend}' has no parallel plan (titanite.parallel.plans.register_plan)")
     _PLANS[backend](handle, world, cfg)
+    if world.cp > 1:  # every backend alike: the attention call sites gather the whole sequence
+        from titanite.parallel import context
+
+        if not context.apply(handle.module, world.device.type, torch.float32):
+            raise UserError(f"parallelism.cp = {world.cp}, but model.spec = '{backend}' has no titanite attention "
+                            "call sites to make context-parallel")

@@ -35,7 +35,7 @@ from titanite.models.handle import ActivationProfile, ModelHandle, TrainOutput
 from titanite.models.hf import config as hf_config
 from titanite.models.hf.model import HFCausalLM
 from titanite.models.hf.state_dict import HEAD, PREFIX, HFStateDictAdapter
-from titanite.models.moe_stats import load_balancing_loss, routing_stats
+from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.qwen3.args import to_hf_config
 
 ATTN_IMPLEMENTATION = "sdpa"
@@ -134,8 +134,8 @@ class HFModel(ModelHandle):
         logits, loss_sum = (None, out.logits) if fused else (out.logits, None)
         if not a.is_moe:
             return TrainOutput(logits, loss_sum=loss_sum)
-        records = [(i, layer.mlp.gate.last_routing) for i, layer in enumerate(self.module.hf.model.layers)
-                   if a.layer_is_moe(i)]
+        records = pooled([(i, layer.mlp.gate.last_routing) for i, layer in enumerate(self.module.hf.model.layers)
+                          if a.layer_is_moe(i)])
         balance = load_balancing_loss([r for _, r in records], a.num_experts)
         aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
         return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum)

@@ -18,7 +18,7 @@ from titanite.lora import LoraTarget
 from titanite.errors import UserError
 from titanite.checkpoint.sharded import RegionGather
 from titanite.models.handle import ActivationProfile, AllReduce, ModelHandle, ModelOptions, TrainOutput
-from titanite.models.moe_stats import load_balancing_loss, routing_stats
+from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config, with_rope_scaling
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.models.qwen3.model import Qwen3
@@ -102,7 +102,7 @@ class Qwen3Model(ModelHandle):
         if not layers:
             return TrainOutput(logits, loss_sum=loss_sum)
         a = self.args
-        records = [(i, m.last_routing) for i, m in layers]
+        records = pooled([(i, m.last_routing) for i, m in layers])
         balance = load_balancing_loss([r for _, r in records], a.num_experts)
         if self.options.moe_bias_update_rate and torch.is_grad_enabled():  # not evaluation's or a reference's
             with torch.no_grad():

@@ -1,0 +1,144 @@
+"""Context-parallel attention: every attention call site, while a sharded sequence is active,
+all-gathers the keys and values over the context-parallel ranks and attends each of its query
+chunks to the key prefix that chunk may see.
+
+The sequence of S tokens is cut into 2·cp chunks of c = S / (2·cp); rank r holds chunks r and
+2cp−1−r (a chunk from the front and its mirror from the back), so under causal attention every
+rank attends the same number of query-key pairs: (r + 1) + (2cp − r) = 2cp + 1 chunks of keys
+for its two chunks of queries. A plain split (rank r holds chunk r alone) would leave the last
+rank cp times the work of the first.
+
+Keys and values are all-gathered (one collective per layer, differentiable: the backward
+reduce-scatters their gradients) rather than passed around a ring: with grouped-query attention
+they are Hk/Hq of the queries' size (1/4 for Qwen3-4B), the gather is one call where a ring is
+cp − 1 dependent steps, and each chunk's attention is then an ordinary call of the `attention`
+op with the queries as the last positions of the keys, the shape a KV cache already gives it.
+So whichever implementation `[kernels]` binds to the op (sdpa, flex, a device's own) serves
+under context parallelism unchanged; the measured share of the gather is in docs/performance.md.
+
+This module keeps the active layout in a module-level slot, set by the trainer around one
+micro-batch's forward and backward (titanite/parallel/context.py): activation checkpointing
+recomputes attention inside the backward, which an accelerator's autograd engine runs on threads
+of its own, where a context variable would read as unset. Outside it (evaluation harnesses,
+generation) every call site runs its implementation directly on whole sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class Layout:
+    """One micro-batch's split: this rank's two chunks of the sequence, and the document ids of
+    the whole sequence (on the device) when samples are packed."""
+
+    group: dist.ProcessGroup
+    cp: int
+    rank: int  # in the cp group
+    seq_len: int  # the whole sequence
+    document_ids: Tensor | None = None  # int [B, S], the whole sequence
+    _prefixes: dict[int, Tensor] = field(default_factory=dict)  # document ids [:, :end], one tensor per end
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // (2 * self.cp)
+
+    def chunk_ends(self) -> tuple[int, int]:
+        """End positions (exclusive) of this rank's two chunks in the whole sequence."""
+        c = self.chunk
+        return (self.rank + 1) * c, (2 * self.cp - self.rank) * c
+
+    def prefix_ids(self, end: int) -> Tensor:
+        """The document ids of keys [0, end): the same tensor for every layer of the micro-batch,
+        so an implementation that caches a mask per ids tensor builds it once."""
+        if end not in self._prefixes:
+            self._prefixes[end] = self.document_ids[:, :end]
+        return self._prefixes[end]
+
+
+_active: list[Layout | None] = [None]
+
+
+@contextlib.contextmanager
+def active(layout: Layout | None) -> Iterator[None]:
+    """While set, attention call sites wrapped by `wrap` attend over the whole sequence and MoE
+    routing statistics are pooled over the cp group."""
+    previous = _active[0]
+    _active[0] = layout
+    try:
+        yield
+    finally:
+        _active[0] = previous
+
+
+def current() -> Layout | None:
+    return _active[0]
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Global chunk g's slot in the all-gathered keys: rank r's two chunks, r and 2cp−1−r,
+    arrive at slots 2r and 2r + 1."""
+    return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
+
+
+def gather_sequence(x: Tensor, layout: Layout) -> Tensor:
+    """x: [B, H, S/cp, D], this rank's two chunks -> [B, H, S, D], the whole sequence in order.
+    Differentiable: the backward reduce-scatters the gradient back to the ranks' chunks."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+
+    B, H, local, D = x.shape
+    rows = x.permute(2, 0, 1, 3).contiguous()  # [S/cp, B, H, D]: the gather concatenates dim 0
+    gathered = wait_tensor(all_gather_single_autograd(rows, gather_dim=0, group=layout.group))  # [S, B, H, D]
+    chunks = gathered.view(2 * layout.cp, local // 2, B, H, D)
+    order = torch.tensor(chunk_order(layout.cp), device=x.device)
+    return chunks.index_select(0, order).view(local * layout.cp, B, H, D).permute(1, 2, 0, 3)
+
+
+def wrap(fn: Callable) -> Callable:
+    """An attention implementation made context-parallel: while a layout is active, q [B, Hq,
+    S/cp, D] holds this rank's two chunks and k, v theirs; the keys and values of the whole
+    sequence are gathered, and each query chunk attends to the keys up to its own end (the
+    queries are the last positions of that prefix: the op's KV-cache form). Packed documents
+    pass the prefix's document ids. Without a layout, `fn` itself."""
+
+    def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | None = None) -> Tensor:
+        layout = _active[0]
+        if layout is None:
+            return fn(q, k, v, scale) if document_ids is None else fn(q, k, v, scale, document_ids=document_ids)
+        assert q.shape[2] * layout.cp == layout.seq_len, (q.shape, layout.seq_len, layout.cp)
+        keys, values = gather_sequence(k, layout), gather_sequence(v, layout)
+        c = layout.chunk
+        outs = []
+        for j, end in enumerate(layout.chunk_ends()):
+            qj = q[:, :, j * c:(j + 1) * c]
+            if layout.document_ids is None:
+                outs.append(fn(qj, keys[:, :, :end], values[:, :, :end], scale))
+            else:
+                outs.append(fn(qj, keys[:, :, :end], values[:, :, :end], scale,
+                               document_ids=layout.prefix_ids(end)))
+        return torch.cat(outs, dim=2)
+
+    attention.__wrapped__ = fn
+    attention.__name__ = f"context_parallel({getattr(fn, '__name__', 'attention')})"
+    return attention
+
+
+def pool_routing(counts: Tensor, prob_sum: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, int]:
+    """MoE routing statistics of this rank's tokens -> those of the whole sequences: summed over
+    the cp group while a layout is active (prob_sum differentiably: each rank's share of the
+    gradient comes back through the all-reduce's backward), else as they are."""
+    layout = _active[0]
+    if layout is None:
+        return counts, prob_sum, num_tokens
+    from torch.distributed.nn.functional import all_reduce
+
+    counts = counts.clone()
+    dist.all_reduce(counts, group=layout.group)
+    return counts, all_reduce(prob_sum, group=layout.group), num_tokens * layout.cp

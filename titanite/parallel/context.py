@@ -1,0 +1,77 @@
+"""Context parallelism, the trainer's side: `parallelism.cp` ranks split every sequence.
+
+A data-parallel rank's batch is read by each of its cp ranks alike; `ContextParallel.split`
+keeps this rank's two chunks of every row (titanite/kernels/context_parallel.py says which and
+why) of the input ids, labels (already shifted by the loader, so a chunk's labels are its own),
+position ids and document ids, and the whole row's document ids for the attention masks. The
+model then runs on S / cp tokens per row: its attention call sites (wrapped by `apply`) gather
+the keys and values of the whole sequence while the micro-batch's layout is active, and MoE
+routing statistics are pooled over the cp group. The loss and its token count are summed over
+dp x cp ranks (World.all_reduce_sum_loss); FSDP reduces the gradients over dp_shard x cp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from titanite.kernels import context_parallel
+from titanite.kernels.attach import default_impl, iter_kernels
+
+FULL_DOCUMENTS = "cp_document_ids"  # the batch key of the whole rows' document ids
+
+
+def local_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions of the sequence that cp rank `rank` holds, in its order: chunks rank and
+    2cp-1-rank of 2cp."""
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+class ContextParallel:
+    """The cp group of this rank and the per-micro-batch split and layout."""
+
+    def __init__(self, mesh) -> None:
+        self.group = mesh.get_group()
+        self.cp = mesh.size()
+        self.rank = mesh.get_local_rank()
+
+    def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's share of a host batch of [B, S] tensors (other entries as they are)."""
+        S = batch["input_ids"].shape[1]
+        index = local_index(S, self.cp, self.rank)
+        out = {k: v.index_select(1, index) if v.dim() == 2 and v.shape[1] == S else v for k, v in batch.items()}
+        if "document_ids" in batch:
+            out[FULL_DOCUMENTS] = batch["document_ids"]
+        return out
+
+    def layout(self, batch: dict[str, torch.Tensor]) -> context_parallel.Layout:
+        """The layout of a split (device) batch."""
+        S = batch["input_ids"].shape[1] * self.cp
+        return context_parallel.Layout(self.group, self.cp, self.rank, S, batch.get(FULL_DOCUMENTS))
+
+    @contextlib.contextmanager
+    def micro_batch(self, batch: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Run one micro-batch's forward and backward in this (the layout of `batch`, a split
+        device batch); nested calls for the same micro-batch keep the outer layout."""
+        if context_parallel.current() is not None:
+            yield
+            return
+        with context_parallel.active(self.layout(batch)):
+            yield
+
+
+def apply(model: nn.Module, device_type: str, dtype: torch.dtype) -> int:
+    """Make every attention call site of `model` context-parallel (around whatever implementation
+    it is bound to). Returns how many it wrapped."""
+    n = 0
+    for _site, _module, kernel in iter_kernels(model):
+        if kernel.op != "attention" or getattr(kernel.fn, "__wrapped__", None) is not None:
+            continue
+        inner = kernel.fn if kernel.fn is not None else default_impl("attention", device_type, dtype).fn
+        kernel.fn = context_parallel.wrap(inner)
+        n += 1
+    return n
