@@ -65,6 +65,7 @@ LAYOUTS = {
     "cp4_docs": ("dense", 4, {"parallelism.cp": 4, **DOCS}),
     "cp4_hf_moe": ("moe", 4, {"parallelism.cp": 4, "model.spec": "hf"}),
     "cp2_fsdp2_hf_docs": ("dense", 4, {"parallelism.cp": 2, "parallelism.dp_shard": 2, "model.spec": "hf", **DOCS}),
+    "cp2_hsdp2": ("dense", 4, {"parallelism.cp": 2, "parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}),
     "cp2_tp2": ("dense", 4, {"parallelism.cp": 2, "parallelism.tp": 2, **DOCS}),
     "cp2_ep2_moe": ("moe", 4, {"parallelism.cp": 2, "parallelism.dp_shard": 2, "parallelism.ep": 2}),
 }

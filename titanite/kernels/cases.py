@@ -100,7 +100,10 @@ def verify_cases(op: str, dtype: torch.dtype, device: torch.device) -> list[Case
                                                             0.25, _many_documents(300, device)), (0, 1, 2)),
                 # Over a KV cache: the queries are the last positions of the keys.
                 Case("decode: 1 query, 9 keys", (r(1, 4, 1, 16), r(1, 2, 9, 16), r(1, 2, 9, 16), 0.25), (0, 1, 2)),
-                Case("chunk: 5 queries, 12 keys", (r(2, 4, 5, 16), r(2, 2, 12, 16), r(2, 2, 12, 16), 0.25), (0, 1, 2))]
+                Case("chunk: 5 queries, 12 keys", (r(2, 4, 5, 16), r(2, 2, 12, 16), r(2, 2, 12, 16), 0.25), (0, 1, 2)),
+                # A context-parallel chunk of packed documents: the ids cover the keys.
+                Case("chunk over packed docs: 9 queries, 37 keys", (r(2, 4, 9, 16), r(2, 2, 37, 16), r(2, 2, 37, 16),
+                                                                   0.25, _documents([10, 1, 26], 2, device)), (0, 1, 2))]
     if op == "rms_norm":
         return [Case(f"x {list(shape)}", (r(*shape), (1.0 + 0.1 * torch.randn(shape[-1], generator=g)).to(device, dtype),
                                          1e-6), (0, 1))

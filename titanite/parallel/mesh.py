@@ -13,6 +13,7 @@ sequences (titanite/parallel/context.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,18 +101,41 @@ class ParallelDims:
         meshes = {"world": world, "dp": world["dp_replicate", "dp_shard"]._flatten("dp"), "tp": world["tp"],
                   "cp": world["cp"]}
         meshes["loss"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp") if self.cp > 1 else meshes["dp"]
-        shard = world["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else world["dp_shard"]
-        meshes["fsdp"] = world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"] \
-            if self.dp_replicate > 1 else shard
+        if self.cp == 1:
+            meshes["fsdp"] = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
+        elif self.dp_replicate == 1:
+            meshes["fsdp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        else:  # HSDP's 2-D mesh with a flattened shard dim: a mesh of its own over the same ranks
+            meshes["fsdp"] = self._regroup(device_type, [("dp_replicate",), ("dp_shard", "cp"), ("tp",)])[
+                "dp_replicate", "dp_shard_cp"]
         if self.ep > 1:
             split = world._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
             meshes["ep"] = split["ep"]
-            inner = "dp_shard_mod_ep"
-            if self.cp > 1:
-                split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
-                inner = "dp_shard_mod_ep_cp"
-            meshes["fsdp_experts"] = split["dp_replicate", inner] if self.dp_replicate > 1 else split[inner]
+            if self.cp == 1:
+                meshes["fsdp_experts"] = (split["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1
+                                          else split["dp_shard_mod_ep"])
+            elif self.dp_replicate == 1:
+                meshes["fsdp_experts"] = split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+            else:
+                meshes["fsdp_experts"] = self._regroup(
+                    device_type, [("dp_replicate",), ("dp_shard_mod_ep", "cp"), ("ep",), ("tp",)])[
+                    "dp_replicate", "dp_shard_mod_ep_cp"]
         return meshes
+
+    def _regroup(self, device_type: str, groups: list[tuple[str, ...]]) -> DeviceMesh:
+        """A mesh over the world whose dims are groups of the world's dims, each group flattened
+        into one (named by joining its members), e.g. [(dp_replicate,), (dp_shard, cp), (tp,)]."""
+        import torch
+
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep,
+                 "cp": self.cp, "tp": self.tp}
+        order = [name for group in groups for name in group]
+        if "dp_shard_mod_ep" not in order:  # the world's own dp_shard, unsplit
+            sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        names = list(sizes)
+        ranks = torch.arange(self.world_size).view(*sizes.values()).permute(*[names.index(n) for n in order])
+        shape = [math.prod(sizes[n] for n in group) for group in groups]
+        return DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=tuple("_".join(g) for g in groups))
 
     def describe(self) -> str:
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"ep={self.ep}"]
