@@ -133,18 +133,21 @@ def test_estimate_refuses_an_unknown_device_name():
 
 @pytest.mark.parametrize("overrides", [["--parallelism.ep=8"],
                                        ["--parallelism.ep=4", "--parallelism.tp=2", "--parallelism.dp_replicate=2"],
-                                       ["--parallelism.dp_shard=2"]])
+                                       ["--parallelism.dp_shard=2"],
+                                       ["--parallelism.cp=2", "--parallelism.ep=2"]])
 def test_estimate_defaults_to_the_smallest_world_the_layout_allows(capsys, overrides):
     p = load_config(MOE_TINY, overrides).parallelism
     dp_shard = p.dp_shard if p.dp_shard > 0 else p.ep  # dp_shard = -1 takes the fewest ranks ep divides
-    world = p.dp_replicate * dp_shard * p.tp
+    world = p.dp_replicate * dp_shard * p.cp * p.tp
     out = _estimate(capsys, "--config", MOE_TINY, "--metrics.peak_tflops=1", *overrides)
     assert f"world size: {world} (the smallest the layout allows; pass --world-size to choose)" in out
-    assert (f"layout: {world} ranks (dp_replicate={p.dp_replicate}, dp_shard={dp_shard}, tp={p.tp}, "
+    cp = f"cp={p.cp}, " if p.cp > 1 else ""
+    assert (f"layout: {world} ranks (dp_replicate={p.dp_replicate}, dp_shard={dp_shard}, {cp}tp={p.tp}, "
             f"ep={p.ep})") in out
 
 
 def test_smallest_world_counts_every_degree():
     """A new degree in ParallelDims (cp, pp, ...) takes ranks: titanite.plan.cli.smallest_world
     must count it, and this test then lists it."""
-    assert {f.name for f in dataclasses.fields(ParallelDims)} == {"dp_replicate", "dp_shard", "tp", "ep", "world_size"}
+    assert {f.name for f in dataclasses.fields(ParallelDims)} == {"dp_replicate", "dp_shard", "tp", "ep", "world_size",
+                                                                 "cp"}

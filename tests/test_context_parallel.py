@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, read_metrics
 from tests.test_distributed import (_env, args_for, assert_same_export, assert_same_run, data, dense, moe,  # noqa: F401
                                     resume_dir, single_process, torchrun)
 from titanite.config import load_config
 from titanite.errors import UserError
+from titanite.trainer import Trainer
 from titanite.parallel.context import local_index
 
 DOCS = {"data.packing": "documents"}
@@ -58,7 +59,8 @@ def test_attention_over_the_split_sequence_equals_the_reference(cp):
 LAYOUTS = {
     # name: (checkpoint fixture, ranks, overrides)
     "cp2": ("dense", 2, {"parallelism.cp": 2}),
-    "cp2_docs_hf": ("dense", 2, {"parallelism.cp": 2, "model.spec": "hf", **DOCS}),
+    # with held-out evaluation every 2 steps: its loss is of whole sequences too
+    "cp2_docs_hf_eval": ("dense", 2, {"parallelism.cp": 2, "model.spec": "hf", "eval.interval": 2, **DOCS}),
     "cp2_moe_docs_ac": ("moe", 2, {"parallelism.cp": 2, "parallelism.activation_checkpoint": "full", **DOCS}),
     "cp2_hf_moe": ("moe", 2, {"parallelism.cp": 2, "model.spec": "hf", "parallelism.activation_checkpoint": "selective"}),
     "cp2_lora": ("dense", 2, {"parallelism.cp": 2, "lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8, **DOCS}),
@@ -77,11 +79,19 @@ def test_layout_matches_single_process(layout, request, tmp_path, data):
     fixture, ranks, extra = LAYOUTS[layout]
     hf = request.getfixturevalue(fixture)
     steps = 5
+    if "eval.interval" in extra:
+        extra = {**extra, "eval.path": data}
     reference = {k: v for k, v in extra.items() if not k.startswith("parallelism.")}
     single_process(args_for(hf, data, tmp_path / "ref", steps, **reference))
     proc = torchrun(ranks, args_for(hf, data, tmp_path / "run", steps, **extra))
     assert f"cp={extra['parallelism.cp']}" in proc.stderr
     assert_same_run(tmp_path / "ref", tmp_path / "run", list(range(1, steps + 1)))
+    if "eval.path" in extra:
+        evals = [[(r["step"], r["eval_loss"], r["eval_tokens"]) for r in read_metrics(tmp_path / d) if "eval_loss" in r]
+                 for d in ("ref", "run")]
+        assert [s for s, _, _ in evals[1]] == [2, 4, 5]
+        for (_, ref_loss, ref_tokens), (_, loss, tokens) in zip(*evals, strict=True):
+            assert tokens == ref_tokens and loss == pytest.approx(ref_loss, rel=1e-5)
     if "lora.enabled" not in extra:
         assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
 
@@ -129,3 +139,25 @@ def test_cp_that_does_not_divide_the_world_is_refused():
     with pytest.raises(UserError, match=r"cp \(3\) x tp \(1\) = 3 does not divide the world size 4"):
         ParallelDims.resolve(ParallelismConfig(cp=3), 4)
     assert ParallelDims.resolve(ParallelismConfig(cp=2), 4).dp_shard == 2
+
+
+def test_tiny_long_config_trains_with_cp2_as_one_process(tmp_path):
+    """configs/qwen3-4b-instruct-2507-long-tiny.toml (chat SFT, packed 2048-token sequences,
+    cp = 2 on 2 ranks, selective checkpointing, evaluation) trains, and its losses and held-out
+    losses equal the same config's on one process (cp = 1)."""
+    from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
+    from tests.conftest import make_hf_checkpoint
+
+    base = make_hf_checkpoint(tmp_path / "base", make_chat_tokenizer(tmp_path / "tok"), max_position_embeddings=2048)
+    chats = write_jsonl(tmp_path / "chat.jsonl", toy_conversations(40))
+    config = str(REPO / "configs" / "qwen3-4b-instruct-2507-long-tiny.toml")
+    common = [f"--model.hf_path={base}", f"--data.path={chats}", f"--eval.path={chats}", "--metrics.progress_bar=off"]
+    Trainer(load_config(config, [*common, f"--job.output_dir={tmp_path / 'one'}", "--parallelism.cp=1"])).train()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanite.train",
+           "--config", config, *common, f"--job.output_dir={tmp_path / 'cp2'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "context parallel: 2 ranks split every 2048-token sequence" in proc.stderr
+    assert_same_run(tmp_path / "one", tmp_path / "cp2", [1, 2, 3, 4])
+    evals = [[r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("one", "cp2")]
+    assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], rel=1e-5)

@@ -77,7 +77,7 @@ class Trainer:
             devices.set_host_memory_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.tokenizer, self.accum = ready.tokenizer, ready.grad_accum
         self.world = distributed.init(self.device, cfg.parallelism)
-        self.cp = ContextParallel(self.world.meshes["cp"]) if self.world.cp > 1 else None
+        self.cp = ContextParallel(self.world.meshes["cp"], cfg.data.seq_len) if self.world.cp > 1 else None
         self.saver = Saver(cfg.checkpoint.async_mode, self.device, cfg.parallelism.collective_timeout_s)
         self.config_toml = to_toml(cfg)
         self.loader = base_loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,

@@ -123,7 +123,9 @@ def wrap(fn: Callable) -> Callable:
             else:
                 outs.append(fn(qj, keys[:, :, :end], values[:, :, :end], scale,
                                document_ids=layout.prefix_ids(end)))
-        return torch.cat(outs, dim=2)
+        # Concatenated in [B, S, H, D] memory order: the caller's transpose(1, 2).reshape is then
+        # a view, not a second copy of the output kept for the backward.
+        return torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
 
     attention.__wrapped__ = fn
     attention.__name__ = f"context_parallel({getattr(fn, '__name__', 'attention')})"

@@ -68,12 +68,18 @@ def _shared_mask(key: tuple, ids: Tensor | None, dtype: torch.dtype, build) -> T
     one `build` makes for `key` (and, for document masks, the very ids tensor `ids` at its
     current version), built once and reused by every layer: autograd then keeps one copy for
     the backward. (A boolean mask would be converted inside every call and each layer would keep
-    its own copy: measured, 4 bytes per element per layer.) At most a few are held; a new
-    step's ids replace the old."""
+    its own copy: measured, 4 bytes per element per layer.) A document mask for new ids first
+    drops those of other ids (a new micro-batch: its predecessor's are done, and holding them
+    would double the masks' memory); at most a few are held."""
     key = (*key, dtype) if ids is None else (*key, dtype, id(ids), ids._version)
     hit = _masks.get(key)
     if hit is not None and hit[0] is ids:
         return hit[1]
+    if ids is not None:  # prefixes of one micro-batch's ids (context parallelism) share their base
+        base = ids if ids._base is None else ids._base
+        for stale in [k for k, (other, _) in _masks.items()
+                      if other is not None and (other if other._base is None else other._base) is not base]:
+            del _masks[stale]
     if len(_masks) >= 4:
         _masks.clear()
     allowed = build()

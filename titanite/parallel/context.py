@@ -13,6 +13,7 @@ dp x cp ranks (World.all_reduce_sum_loss); FSDP reduces the gradients over dp_sh
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from titanite.kernels import context_parallel
 from titanite.kernels.attach import default_impl, iter_kernels
 
+log = logging.getLogger("titanite")
 FULL_DOCUMENTS = "cp_document_ids"  # the batch key of the whole rows' document ids
 
 
@@ -34,10 +36,14 @@ def local_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 class ContextParallel:
     """The cp group of this rank and the per-micro-batch split and layout."""
 
-    def __init__(self, mesh) -> None:
+    def __init__(self, mesh, seq_len: int) -> None:
         self.group = mesh.get_group()
         self.cp = mesh.size()
         self.rank = mesh.get_local_rank()
+        c = seq_len // (2 * self.cp)
+        log.info("context parallel: %d ranks split every %d-token sequence; this rank holds tokens [%d, %d) and "
+                 "[%d, %d), and attention gathers the keys and values of the rest", self.cp, seq_len, self.rank * c,
+                 (self.rank + 1) * c, (2 * self.cp - 1 - self.rank) * c, (2 * self.cp - self.rank) * c)
 
     def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's share of a host batch of [B, S] tensors (other entries as they are)."""

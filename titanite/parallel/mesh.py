@@ -105,7 +105,7 @@ class ParallelDims:
             meshes["fsdp"] = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
         elif self.dp_replicate == 1:
             meshes["fsdp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        else:  # HSDP's 2-D mesh with a flattened shard dim: a mesh of its own over the same ranks
+        elif self.ep == 1:  # HSDP's 2-D mesh with a flattened shard dim: a mesh of its own over the same ranks
             meshes["fsdp"] = self._regroup(device_type, [("dp_replicate",), ("dp_shard", "cp"), ("tp",)])[
                 "dp_replicate", "dp_shard_cp"]
         if self.ep > 1:
@@ -117,9 +117,16 @@ class ParallelDims:
             elif self.dp_replicate == 1:
                 meshes["fsdp_experts"] = split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
             else:
-                meshes["fsdp_experts"] = self._regroup(
-                    device_type, [("dp_replicate",), ("dp_shard_mod_ep", "cp"), ("ep",), ("tp",)])[
-                    "dp_replicate", "dp_shard_mod_ep_cp"]
+                # HSDP: FSDP wants the experts' meshes (ep, then their own) derived from the
+                # others' one. Its shard dim orders the ranks (dp_shard/ep, cp, ep), so
+                # unflattening that dim gives both.
+                hsdp = self._regroup(device_type, [("dp_replicate",), ("dp_shard_mod_ep", "cp", "ep"), ("tp",)])
+                shard = "dp_shard_mod_ep_cp_ep"
+                meshes["fsdp"] = hsdp["dp_replicate", shard]
+                experts = hsdp._unflatten(shard, (self.dp_shard // self.ep * self.cp, self.ep),
+                                          ("dp_shard_mod_ep_cp", "ep_of_shard"))
+                meshes["fsdp_experts"] = experts["dp_replicate", "dp_shard_mod_ep_cp"]
+                meshes["ep"] = experts["ep_of_shard"]  # the same ranks as split's, from the same root
         return meshes
 
     def _regroup(self, device_type: str, groups: list[tuple[str, ...]]) -> DeviceMesh:
