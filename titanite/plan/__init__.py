@@ -8,13 +8,16 @@ Two entry points:
 The modules, each importing only those listed before it:
 - `counts.py`: the counting rules every part shares (parameter tensors per rank, FSDP's
   sharding and transients, activations per block);
+- `context.py`: context parallelism's share (each rank's S / cp tokens, the gathered keys and
+  values, the shared mask, the communication per step);
 - `phases.py`: the peak of a step, moment by moment;
 - `lora.py`: a LoRA run's share (frozen base, adapters, their activations);
 - `preference.py`: a DPO run's share (two sequences per pair, their log-probabilities, the
   reference and its forward);
 - `estimator.py`: `Estimate` and `estimate()`, which puts the parts together;
 - `report.py`: the estimate as printed;
-- `rehearse.py`: `--rehearse`, the real plan under a fake process group, and a layout that fits;
+- `rehearse.py`: `--rehearse`, the real plan under a fake process group, and a layout that fits
+  (cp, tp, ep, activation checkpointing);
 - `cli.py`: the command line (world size, the accelerator planned for, --device-memory-gib).
 """
 

@@ -1,7 +1,8 @@
 """`titanite estimate`: the command line. It picks the world size and the machines planned for
 (this one, or a named accelerator: its MFU peak and its memory), prints the estimate and, with
 --rehearse, the rehearsal beside it, and with --device-memory-gib whether the training peak fits
-(else a layout that would)."""
+(else a layout that would: context, tensor and expert parallel degrees, activation checkpointing;
+rehearse.fitting_layout)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from titanite.plan.report import report
 
 
 def smallest_world(p: ParallelismConfig) -> int:
-    """The fewest ranks `[parallelism]` lays out on: dp_replicate x dp_shard x tp, where
+    """The fewest ranks `[parallelism]` lays out on: dp_replicate x dp_shard x cp x tp, where
     dp_shard = -1 (the rest of the world) takes the fewest ranks that expert parallelism can
     borrow from it: ep. (A fixed dp_shard that ep does not divide fits no world;
     ParallelDims.resolve says so.)"""
-    return p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else p.ep) * p.tp
+    return p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else p.ep) * p.cp * p.tp
 
 
 def _named_accelerator(args: argparse.Namespace) -> accelerators.Accelerator | None:
@@ -69,14 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--world-size", type=int, default=0,
                         help="ranks (nodes x processes per node); default: the smallest world the layout "
-                             "allows (dp_replicate x dp_shard x tp, with dp_shard = -1 taking ep ranks)")
+                             "allows (dp_replicate x dp_shard x cp x tp, with dp_shard = -1 taking ep ranks)")
     parser.add_argument("--rehearse", action="store_true",
                         help="also apply the real parallel plan to the real model on the meta device under a "
                              "fake process group of --world-size ranks and report each rank's shards")
     parser.add_argument("--device-memory-gib", type=float, default=0.0,
                         help="the memory of one device: kernels.loss = 'auto' is resolved against it as training "
-                             "resolves it there, and with --rehearse a layout that does not fit is named with one "
-                             "that would; default with --device-name: that accelerator's")
+                             "resolves it there, and a layout that does not fit is named with one that would (with "
+                             "--rehearse, by the rehearsal's states); default with --device-name: that accelerator's")
     parser.add_argument("--plan-for", choices=("auto", "cpu", "accelerator"), default="auto",
                         help="the machines the layout is for: 'accelerator' leaves out the CPU collectives' "
                              "(gloo's) buffers when planning GPU runs on a machine without one; default: "
@@ -101,6 +102,7 @@ def main(argv: list[str]) -> int:
     memory = args.device_memory_gib * GiB or None  # kernels.loss = "auto" resolves against it
     e = estimate(cfg, world, on_gloo=on_gloo, device_memory=memory)
     print(report(e, cfg, peak))
+    train_peak = e.total
     if args.rehearse:
         figures = rehearse(cfg, world)
         print(rehearsal_report(figures, args.device_memory_gib or None))
@@ -109,13 +111,13 @@ def main(argv: list[str]) -> int:
         print(f"  rehearsal / estimate: parameters {f.params / e.params:.3f}, gradients "
               f"{f.grads / max(e.grads, 1):.3f}, optimizer {f.optimizer / max(e.optimizer, 1):.3f}"
               + (f", reference model {f.reference / reference:.3f}" if reference else ""))
-        if args.device_memory_gib:
-            # the phases, with the rehearsal's own states (and reference model)
-            train_peak = e.total - e.states - reference + f.states + f.reference
-            if train_peak / GiB > args.device_memory_gib:
-                better = fitting_layout(cfg, world, args.device_memory_gib, on_gloo)
-                print(f"  training peak {train_peak / GiB:.1f} GiB does not fit {args.device_memory_gib:g} GiB; "
-                      + (f"this layout would: {better}" if better else f"no layout of {world} ranks would"))
-            else:
-                print(f"  training peak {train_peak / GiB:.1f} GiB fits {args.device_memory_gib:g} GiB")
+        # the phases, with the rehearsal's own states (and reference model)
+        train_peak = e.total - e.states - reference + f.states + f.reference
+    if args.device_memory_gib:
+        if train_peak / GiB > args.device_memory_gib:
+            better = fitting_layout(cfg, world, args.device_memory_gib, on_gloo)
+            print(f"  training peak {train_peak / GiB:.1f} GiB does not fit {args.device_memory_gib:g} GiB; "
+                  + (f"this layout would: {better}" if better else f"no layout of {world} ranks would"))
+        else:
+            print(f"  training peak {train_peak / GiB:.1f} GiB fits {args.device_memory_gib:g} GiB")
     return 0

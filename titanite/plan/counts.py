@@ -4,7 +4,8 @@ sharding and its transient copies, and the activations a micro-batch keeps for b
 Everything is counted from the architecture (config.json or the flavor) and `[parallelism]`,
 with the sharding rules titanite applies (parallel/): tensor parallel splits attention heads,
 the MLP and the vocabulary; expert parallel splits the experts; FSDP splits what is left over
-dp_shard (the experts over dp_shard / ep) and HSDP replicates it over dp_replicate.
+dp_shard x cp (ParallelDims.fsdp_shard; the experts over dp_shard / ep x cp) and HSDP replicates
+it over dp_replicate. Context parallelism's own terms are in titanite/plan/context.py.
 
 Per rank, in bytes:
 - parameters, gradients: fp32 (the master copy; bf16 is only the compute copy), sharded;
@@ -35,7 +36,7 @@ class Tensor:
 
     rows: int  # dim 0 after tensor/expert parallel, the dim FSDP shards
     row_elems: int
-    expert: bool = False  # FSDP-sharded over dp_shard / ep instead of dp_shard
+    expert: bool = False  # FSDP-sharded over dp_shard / ep x cp instead of dp_shard x cp
 
     @property
     def numel(self) -> int:
@@ -61,11 +62,17 @@ def top_tensors(a: Qwen3Args, tp: int) -> list[Tensor]:
     return vocab + [Tensor(a.hidden_size, 1)] + ([] if a.tie_word_embeddings else vocab)
 
 
+def uses_fsdp(d: ParallelDims) -> bool:
+    """Whether FSDP wraps the model: data-parallel or context-parallel ranks (parallel/fsdp.py)."""
+    return d.dp > 1 or d.cp > 1
+
+
 def sharded(tensors: list[Tensor], d: ParallelDims) -> int:
-    """Elements a rank stores after FSDP, which pads dim 0 to a multiple of its degree."""
+    """Elements a rank stores after FSDP, which pads dim 0 to a multiple of its degree
+    (dp_shard x cp; the experts' dp_shard / ep x cp)."""
     total = 0
     for t in tensors:
-        degree = d.dp_shard // d.ep if t.expert else d.dp_shard
+        degree = d.dp_shard // d.ep * d.cp if t.expert else d.fsdp_shard
         total += math.ceil(t.rows / degree) * t.row_elems
     return total
 
@@ -75,7 +82,7 @@ def fsdp_transient(d: ParallelDims, a: Qwen3Args, blocks: list[int], top: list[T
     """Bytes of FSDP's gathered copies (the root group when the embeddings are tied, the biggest
     block twice: current and prefetched) in `gather_bytes`, and the biggest block's unsharded fp32
     gradients; `blocks` and `grads`: each block's unsharded elements and gradient elements."""
-    if d.dp == 1:
+    if not uses_fsdp(d):
         return 0.0
     root = sum(x.numel for x in top) if a.tie_word_embeddings else 0
     return (root + 2 * max(blocks)) * gather_bytes + max(grads) * 4.0

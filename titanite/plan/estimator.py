@@ -16,6 +16,11 @@ no vocabulary gradients (the head and the embedding stay frozen).
 A DPO run (`training.objective = "dpo"`) is counted by titanite/plan/preference.py: two
 sequences per pair, the whole fp32 logits, and the reference (a second frozen copy, the base
 with the adapters off, precomputed or none) with its no-grad forward as a moment of its own.
+
+Under context parallelism (`parallelism.cp` > 1) each rank holds S / cp tokens of every
+sequence: the per-token counts above are for that share, and titanite/plan/context.py counts
+what CP adds (the gathered keys and values, their gradients, the shared attention mask) and the
+bytes its collectives move per step (`Estimate.context`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.spec import get_spec
 from titanite.parallel.mesh import ParallelDims
-from titanite.plan.counts import Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors
+from titanite.plan.context import ContextShare, add_context, context_share, local_tokens
+from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors,
+                                  uses_fsdp)
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import accumulation_steps, step_phases
@@ -52,6 +59,7 @@ class Estimate:
     lora: LoraParams | None = None  # a LoRA run's parameter counts (params = its base + adapters)
     phases: dict[str, float] = field(default_factory=dict)  # the peak of each moment of a step
     preference: PreferenceShare | None = None  # a DPO run's reference (its bytes are in `phases`, not `params`)
+    context: ContextShare | None = None  # context parallelism's buffers (in `phases`) and communication
 
     @property
     def total(self) -> float:
@@ -88,7 +96,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     a, t = args, cfg.training
     layers = [layer_tensors(a, i, d.tp, d.ep) for i in range(a.num_layers)]
     top = top_tensors(a, d.tp)
-    tokens = sequences_per_micro_batch(cfg) * cfg.data.seq_len
+    tokens = local_tokens(cfg, d, sequences_per_micro_batch(cfg))  # this rank's: S / cp of each sequence
     values = loss_values(cfg, a, d, profile.keeps_logits) if dpo else None
     if cfg.lora.enabled:
         memory, lora = lora_memory(cfg, a, d, layers, top, tokens, profile, values)
@@ -109,6 +117,8 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     terms = loss_terms(cfg, a, d, top, tokens, profile.keeps_logits) if dpo else None
     phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers,
                          terms)
+    cp = context_share(cfg, a, d, sequences_per_micro_batch(cfg), accumulation_steps(cfg, d))
+    phases = add_context(phases, cp)
     share = None
     if dpo:
         share = preference_share(cfg, a, d, layers, top, tokens, profile, world_size, global_tokens)
@@ -116,7 +126,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
         before = params + optimizer + (grads if accumulation_steps(cfg, d) > 1 else 0.0)
         phases = add_reference(phases, share, before)
         flops += share.forward_flops_per_step
-    return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases, preference=share)
+    return Estimate(d, *memory, flops, global_tokens, lora=lora, phases=phases, preference=share, context=cp)
 
 
 def _planned_loss(cfg: Config, handle, device_memory: float | None) -> KernelsConfig:
@@ -133,7 +143,7 @@ def _full_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[T
     compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4  # the copy FSDP gathers, the values
     unsharded = [sum(x.numel for x in layer) for layer in layers]
     transient = fsdp_transient(d, a, unsharded, top, unsharded, compute_bytes)
-    if d.dp == 1 and compute_bytes == 2:  # autocast's bf16 copies of the weights, kept for backward
+    if not uses_fsdp(d) and compute_bytes == 2:  # autocast's bf16 copies of the weights, kept for backward
         transient += 2.0 * local
     kept, recompute = activation_bytes(a, tokens, d.tp, cfg.parallelism.activation_checkpoint,
                                        profile.keeps_logits, compute_bytes, sp=profile.sequence_parallel,

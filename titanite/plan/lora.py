@@ -42,7 +42,8 @@ from titanite.models.flops import lora_flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
-from titanite.plan.counts import Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors
+from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors,
+                                  uses_fsdp)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -246,7 +247,7 @@ def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Te
         # the final norm's normalised value (this rank's share of the sequence): its weight is frozen
         top_extra=-a.hidden_size * (1 / d.tp if sp else 1.0), loss_values=loss_values)
     expert_kept, expert_transient = expert_weight_bytes(a, targets, d.ep, ac, compute_bytes)
-    if d.dp == 1 and compute_bytes == 2:  # autocast's bf16 copies of fp32 weights, saved for backward
+    if not uses_fsdp(d) and compute_bytes == 2:  # autocast's bf16 copies of fp32 weights, saved for backward
         transient += 2.0 * (adapter_local + (base_local if base_dtype_bytes == 4 else 0))
     return [counts.base_bytes + counts.adapter_bytes, adapter_local * 4.0, adapter_local * 8.0,
             kept + expert_kept, recompute, transient + expert_transient], counts

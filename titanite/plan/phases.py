@@ -37,7 +37,7 @@ from titanite.config import Config
 from titanite.kernels.chunked_loss import chunk_rows
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
-from titanite.plan.counts import Tensor
+from titanite.plan.counts import Tensor, uses_fsdp
 
 
 def accumulation_steps(cfg: Config, d: ParallelDims) -> int:
@@ -50,7 +50,8 @@ def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], t
                 memory: list[float], block_grads: int, on_gloo: bool, gloo_buffers: bool,
                 loss_terms: tuple[float, float] | None = None) -> dict[str, float]:
     """The peak bytes per rank at each of a step's heaviest moments (the module docstring says
-    what each holds). `top`: the vocabulary matrices as a rank holds them before FSDP; `memory`:
+    what each holds). `tokens`: this rank's tokens of a micro-batch (S / cp of each sequence under
+    context parallelism). `top`: the vocabulary matrices as a rank holds them before FSDP; `memory`:
     [params, grads, optimizer, activations, recompute, transient] as estimator._full_memory counts them;
     `block_grads`: the largest block's unsharded gradient elements. `loss_terms`: (what the loss
     keeps, what its backward adds on top), for another objective's loss (DPO's,
@@ -58,9 +59,9 @@ def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], t
     params, grads, optimizer, kept, recompute, transient = memory
     c = 2 if cfg.training.mixed_precision == "bf16" else 4  # the compute copy and its gradients
     vocab = top[0].numel  # the embedding (and, tied, the head), this rank's tensor-parallel part
-    shard = math.ceil(top[0].rows / d.dp_shard) * top[0].row_elems  # its FSDP shard
+    shard = math.ceil(top[0].rows / d.fsdp_shard) * top[0].row_elems  # its FSDP shard
     logits = tokens * top[0].rows * 4.0  # one fp32 [tokens, V / tp]
-    sharded = d.dp > 1
+    sharded = uses_fsdp(d)
     # untied under FSDP: the head's group gathered for its backward (tied, the head is the root,
     # in `transient`)
     head = c * vocab if sharded and not a.tie_word_embeddings else 0.0

@@ -59,7 +59,7 @@ from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
-from titanite.plan.counts import Tensor, layer_activation_elems, sharded
+from titanite.plan.counts import Tensor, layer_activation_elems, sharded, uses_fsdp
 from titanite.preference.reference import adapters_are_reference, uses_reference
 
 # the reference as the estimate counts it -> what the report calls it
@@ -120,7 +120,7 @@ def _compute_bytes(cfg: Config) -> int:
 def _root(a: Qwen3Args, d: ParallelDims, top: list[Tensor], c: int) -> float:
     """FSDP's root group as it stays gathered after forward (tied embeddings: the embedding; untied,
     the root holds only the final norm), in the compute dtype; 0 without FSDP."""
-    return sum(x.numel for x in top) * c if d.dp > 1 and a.tie_word_embeddings else 0.0
+    return sum(x.numel for x in top) * c if uses_fsdp(d) and a.tie_word_embeddings else 0.0
 
 
 def loss_values(cfg: Config, a: Qwen3Args, d: ParallelDims, keeps_logits: bool) -> float:
@@ -150,7 +150,7 @@ def loss_terms(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], to
         return kept, tokens * (V * (8 + cast) + top[0].rows * c)
     vocab = top[0].numel
     stored_fp32 = not cfg.lora.enabled or cfg.lora.base_dtype == "fp32"
-    copies = (tokens // S - 1) * c * vocab if d.dp == 1 and cast and stored_fp32 else 0
+    copies = (tokens // S - 1) * c * vocab if not uses_fsdp(d) and cast and stored_fp32 else 0
     if keeps_logits:
         return kept, 8.0 * S * V + copies
     chunk = min(S, chunk_rows(V)) * V
@@ -179,7 +179,7 @@ def reference_forward_bytes(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: 
         logits = 8 * min(S, chunk_rows(V)) * V
     head = tokens * a.hidden_size * (c + cast) + logits  # the final hidden states (16-bit: and their fp32 norm)
     gathered = 0.0
-    if d.dp > 1:
+    if uses_fsdp(d):
         gathered = 2 * max(sum(x.numel for x in layer) for layer in layers) * c
         gathered += _root(a, d, top, c)
         gathered += 0.0 if a.tie_word_embeddings else top[0].numel * c  # the head's group, for the logits

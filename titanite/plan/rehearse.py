@@ -35,7 +35,7 @@ import torch
 from titanite.checkpoint.safetensors_io import read_header
 from titanite.checkpoint.sharded import local_part
 from titanite.config import Config, KernelsConfig
-from titanite.config_checks import validate_lora
+from titanite.config_checks import validate
 from titanite.errors import UserError
 from titanite.models.spec import get_spec
 from titanite.parallel.distributed import World
@@ -161,23 +161,35 @@ def rehearse(cfg: Config, world_size: int, ranks: list[int] | None = None) -> li
 
 def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: bool | None = None) -> str | None:
     """The first layout of `world_size` ranks whose estimated training peak fits `device_gib`:
-    tensor parallel 1, 2, 4, 8, then (MoE) expert parallel over the sharded ranks, then full
-    activation checkpointing; None when none does."""
+    with the config's activation checkpointing, then with 'full', the fewest ranks per sequence
+    first (context parallel x tensor parallel: 1, 2, 4, ...; context parallelism first at the same
+    product, as its key/value gathers move less than tensor parallelism's activations), cp only
+    where data.seq_len cuts into 2 x cp x tp chunks; then (MoE) expert parallel over the sharded
+    ranks; None when none does."""
     moe = bool(_num_experts(cfg))
-    for ac, tp, ep in itertools.product((cfg.parallelism.activation_checkpoint, "full"), (1, 2, 4, 8),
-                                        (1, 2, 4, 8, 16, 32, 64) if moe else (1,)):
+    split = sorted(((cp, tp) for cp in _powers(world_size) for tp in (1, 2, 4, 8)
+                    if cp * tp <= world_size and (cp == 1 or cfg.data.seq_len % (2 * cp * tp) == 0)),
+                   key=lambda x: (x[0] * x[1], x[1]))
+    for ac, (cp, tp), ep in itertools.product(dict.fromkeys((cfg.parallelism.activation_checkpoint, "full")), split,
+                                              (1, 2, 4, 8, 16, 32, 64) if moe else (1,)):
         trial = copy.deepcopy(cfg)
         p = trial.parallelism
-        p.activation_checkpoint, p.tp, p.ep, p.dp_shard, p.dp_replicate = ac, tp, ep, -1, 1
+        p.activation_checkpoint, p.tp, p.cp, p.ep, p.dp_shard, p.dp_replicate = ac, tp, cp, ep, -1, 1
         try:
-            validate_lora(trial)  # LoRA refuses some layouts (lora.dropout with tp > 1): no answer
+            validate(trial)  # LoRA refuses some layouts (lora.dropout with tp > 1), CP others: no answer
             total = estimate(trial, world_size, on_gloo=on_gloo, device_memory=device_gib * GiB).total
         except UserError:  # degrees the config refuses, or that do not divide the world or the model
             continue
         if total / GiB <= device_gib:
-            return (f"dp_shard = {world_size // tp}, tp = {tp}, ep = {ep}, activation_checkpoint = '{ac}' "
+            return (f"dp_shard = {world_size // (cp * tp)}, " + (f"cp = {cp}, " if cp > 1 else "")
+                    + f"tp = {tp}, ep = {ep}, activation_checkpoint = '{ac}' "
                     f"(estimated training peak {total / GiB:.1f} GiB)")
     return None
+
+
+def _powers(n: int) -> list[int]:
+    """The powers of 2 that divide n."""
+    return [2**i for i in range(n.bit_length()) if n % 2**i == 0]
 
 
 def _num_experts(cfg: Config) -> int:

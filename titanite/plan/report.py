@@ -1,5 +1,6 @@
 """The estimate as `titanite estimate` prints it: the layout, memory per rank part by part and
-phase by phase, FLOPs per step and the time a step takes at the device's peak."""
+phase by phase, FLOPs per step and the time a step takes at the device's peak, and under context
+parallelism the split of each sequence and the CP communication per step."""
 
 from __future__ import annotations
 
@@ -58,10 +59,14 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
     if e.preference is not None:
         pairs = f"{cfg.training.batch_size} pair{'s' if cfg.training.batch_size > 1 else ''}"
         micro = f"{pairs} = {e.preference.sequences} x {cfg.data.seq_len}"
+    if e.context is not None:
+        micro += f", {e.context.local_tokens} tokens of each per rank"
     rows = _state_rows(e) + [
         (f"activations (micro-batch {micro}, checkpointing {cfg.parallelism.activation_checkpoint})",
          e.activations),
         ("recomputed block (checkpointing)", e.recompute), (f"transient ({transient})", e.transient)]
+    if e.context is not None:
+        rows += e.context.rows()
     if e.preference is not None and e.preference.kind == "model":
         rows.append(("reference model (frozen, fp32, sharded)", e.preference.params_bytes))
     if e.preference is not None and e.preference.live:
@@ -70,7 +75,9 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
     rows.append(("peak (the largest phase)", e.total))
     width = max(len(r[0]) for r in rows)
     lines = [f"layout: {d.describe()}, mixed precision {cfg.training.mixed_precision}"]
-    lines += _lora_line(e, cfg) + _preference_lines(e, cfg) + ["memory per rank:"]
+    lines += _lora_line(e, cfg) + _preference_lines(e, cfg)
+    lines += [e.context.describe(cfg.data.seq_len)] if e.context is not None else []
+    lines += ["memory per rank:"]
     lines += [f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows]
     lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} "
                  f"({e.tokens_per_step} tokens per step over all ranks)")
