@@ -98,6 +98,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     kernels_cfg = choose_loss(cfg, handle, device)
     handle.attach_kernels(kernels_cfg, device.type, compute_dtype)
     check_layout(dims, handle)
+    check_balance_scope(cfg, handle.args)
     # A run that will resume reads its weights from the checkpoint, not from model.hf_path; a
     # LoRA run's checkpoints hold only the adapters, so its base is always read.
     resuming = cfg.checkpoint.resume and bool(list_checkpoints(Path(cfg.job.output_dir) / "checkpoints"))
@@ -182,6 +183,22 @@ def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
         raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
                         f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "
                         "parallelism.ep = 1")
+
+
+def check_balance_scope(cfg: Config, args: Qwen3Args) -> None:
+    """model.aux_loss_scope against the model (a dense one has no such loss) and the objective."""
+    scope = cfg.model.aux_loss_scope
+    if not getattr(args, "num_experts", 0):
+        if scope != "micro_batch":
+            log.warning("model.aux_loss_scope = %r has no effect: the model is dense (no load-balancing loss)", scope)
+        return
+    if scope == "global_batch" and not args.output_router_logits:
+        raise UserError("model.aux_loss_scope = 'global_batch', but the model's config.json has output_router_logits "
+                        "= false, so the load-balancing loss is not trained (only logged); set output_router_logits "
+                        "to true in config.json to train it, or leave aux_loss_scope at 'micro_batch'")
+    if scope == "global_batch" and cfg.training.objective == "dpo":
+        raise UserError("model.aux_loss_scope = 'global_batch' with training.objective = 'dpo' is not supported yet; "
+                        "use 'micro_batch'")
 
 
 def check_lora(cfg: Config, handle: ModelHandle, weights: str | None, resuming: bool) -> None:

@@ -7,6 +7,7 @@ asks which backend it runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -41,7 +42,7 @@ from titanite.parallel.plans import parallelize
 from titanite.preference.objective import build_objective
 from titanite.preflight import Prepared, preflight
 from titanite.runlock import RunLock
-from titanite import run_export
+from titanite import lm_objective, run_export
 
 log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
@@ -257,7 +258,8 @@ class Trainer:
             if dropout:
                 torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, self.world.dp_rank))
 
-        accumulate = self.preference.accumulate if self.preference is not None else self._accumulate
+        accumulate = (self.preference.accumulate if self.preference is not None
+                      else functools.partial(lm_objective.accumulate, self))
         total, aux_total, stats = accumulate(batches, seed_dropout)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf)
         ok = torch.isfinite(total) & torch.isfinite(grad_norm)
@@ -269,37 +271,6 @@ class Trainer:
         self.finite.note_weights(self.step + 1, self.model.parameters())
         self.handle.after_optimizer_step(self.world.all_reduce_sum)
         return StepResult(total, grad_norm, aux_total, stats)
-
-    def _accumulate(self, batches: list[dict[str, torch.Tensor]], seed_dropout: Any
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """The language-model objective's forwards and backwards over one step's micro-batches; the
-        loss is normalised by the valid label tokens of the whole step (all micro-batches and ranks)."""
-        n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
-        n_valid = self.world.all_reduce_sum_loss(n_valid.to(self.device, torch.float32)).clamp_min(1)
-        total = torch.zeros((), device=self.device)
-        aux_total: torch.Tensor | None = None
-        stats: dict[str, torch.Tensor] = {}
-        for micro, b in enumerate(batches):
-            seed_dropout(micro)
-            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-            with self.world.loss_parallel(), self._context(b):  # vocab-sharded logits under tensor parallel
-                out, loss_sum = self._forward(b)
-                loss = loss_sum / n_valid
-                total = total + loss.detach()
-                if out.aux_loss is not None:  # reported separately, and only when the model asks for it
-                    # The mean over every micro-batch of the global batch: data-parallel
-                    # gradients are summed, so each rank's share is divided by their count too
-                    # (cp ranks each hold the whole sequences' value: a 1/cp share each).
-                    aux = distributed.full_tensor(out.aux_loss) / (self.accum * self.world.loss_ranks)
-                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-                    loss = loss + aux
-                loss.backward()
-            for k, v in out.stats.items():
-                stats[k] = stats.get(k, 0.0) + v / self.accum
-        total = self.world.all_reduce_sum_loss(total)
-        if aux_total is not None:
-            aux_total = self.world.all_reduce_sum_loss(aux_total)
-        return total, aux_total, stats
 
     def _context(self, batch: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
         """Context parallelism's layout of a split device batch, for its forward and backward."""

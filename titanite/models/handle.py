@@ -49,6 +49,9 @@ class TrainOutput:
     # fp32 cross-entropy summed over the batch's valid labels, when the model computes it itself
     # (the `loss` kernel op, without materialising the logits); the trainer then skips its own.
     loss_sum: torch.Tensor | None = None
+    # a MoE model's routing per MoE layer (RoutingRecord; pooled over context-parallel ranks),
+    # for the load-balancing loss at model.aux_loss_scope (titanite/models/moe_balance.py)
+    routing: list | None = None
 
 
 @dataclass(frozen=True)

@@ -138,4 +138,5 @@ class HFModel(ModelHandle):
                           if a.layer_is_moe(i)])
         balance = load_balancing_loss([r for _, r in records], a.num_experts)
         aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
-        return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum)
+        return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum,
+                           routing=[r for _, r in records])

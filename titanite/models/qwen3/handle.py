@@ -109,7 +109,8 @@ class Qwen3Model(ModelHandle):
                 for (_, m), (_, r) in zip(layers, records):
                     m.router.tokens_per_expert += r.counts
         aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
-        return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum)
+        return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum,
+                           routing=[r for _, r in records])
 
     @torch.no_grad()
     def after_optimizer_step(self, all_reduce: AllReduce) -> None:
