@@ -6,8 +6,9 @@ replacement seam for some ops, and titanite uses those:
 - `attention`, through transformers' AttentionInterface: every attention module gets an
   `attention` call site. Causal attention goes to the op: whole sequences, steps into a KV cache
   (the queries are the last positions, the op's bottom-right contract), and packed documents,
-  given as document ids (`documents(...)`, how titanite's own forward passes them: no mask is
-  built and nothing is read on the host) or as a block-causal 4-D mask (one host read per
+  given as document ids (the keyword argument `DOCUMENTS_KWARG`, how titanite's own forward
+  passes them: no mask is built and nothing is read on the host, and activation checkpointing's
+  recomputation gets them too) or as a block-causal 4-D mask (one host read per
   forward to recognise it). Any other 4-D mask goes to transformers' own SDPA path.
   transformers builds no masks for this implementation, so a 2-D padding mask with padding in
   it is refused (`ValueError`) rather than silently ignored; an all-ones one (what `generate()`
@@ -65,7 +66,7 @@ _mask_cache: list = [None, None]  # (the last mask seen, its document ids or _OT
 _OTHER = object()  # a mask the attention op cannot express
 _guarded: weakref.WeakSet = weakref.WeakSet()  # models whose padding masks are refused
 _LABELS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titanite_hf_labels", default=None)
-_DOCUMENTS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titanite_hf_documents", default=None)
+DOCUMENTS_KWARG = "titanite_document_ids"  # how titanite's forward hands the attention its document ids
 
 
 # -- transformers' interfaces: attention and experts ---------------------------------------
@@ -99,7 +100,10 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kernel = getattr(module, "attention", None)
-    given = _DOCUMENTS.get()
+    # A keyword argument, not a context variable: transformers hands a forward's keyword
+    # arguments down to every attention call, and activation checkpointing keeps them for the
+    # recomputation inside the backward (where a context set around the forward has ended).
+    given = kwargs.pop(DOCUMENTS_KWARG, None)
     from_ids = given is not None and attention_mask is None and query.shape[2] == key.shape[2]
     # titanite's packed documents come as ids: no mask to read back, and none built for the op
     docs = given if from_ids else _document_ids(attention_mask, query.shape[2], key.shape[2])
@@ -227,12 +231,6 @@ def labels(value: torch.Tensor | None) -> contextlib.AbstractContextManager:
     """While set, an installed model's head returns the summed loss of `value` (int64 [B, S],
     IGNORE_INDEX skipped) in place of the logits."""
     return _setting(_LABELS, value)
-
-
-def documents(value: torch.Tensor | None) -> contextlib.AbstractContextManager:
-    """While set, an installed model's attention is block-causal over `value` (int [B, S]
-    document ids: a token attends to earlier tokens of its own document), without a mask."""
-    return _setting(_DOCUMENTS, value)
 
 
 def installed(hf: nn.Module) -> bool:

@@ -37,7 +37,7 @@ class HFCausalLM(nn.Module):
         labels: int64 [B, S], only once titanite's kernels are installed (kernels/hf.py): the
         head then computes the summed cross-entropy through the `loss` op, and the output's
         `logits` is that fp32 scalar (the [B, S, V] logits are never built)."""
-        from titanite.kernels.hf import documents, installed
+        from titanite.kernels.hf import DOCUMENTS_KWARG, installed
         from titanite.kernels.hf import labels as head_labels
 
         # With titanite's attention installed the document ids travel as they are (no mask is
@@ -47,8 +47,10 @@ class HFCausalLM(nn.Module):
             mask = kernels.block_causal_mask(document_ids)
         # The MoE auxiliary loss is the handle's (from the routers' records), not transformers'.
         kw = {"output_router_logits": False} if self.args.is_moe else {}
+        if document_ids is not None and mask is None:
+            kw[DOCUMENTS_KWARG] = document_ids
         self._forget_rope_length()
-        with head_labels(labels), documents(document_ids if mask is None else None):
+        with head_labels(labels):
             return self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **kw)
 
     # -- after materialising ----------------------------------------------------------------
