@@ -83,6 +83,8 @@ class Trainer:
         self.config_toml = to_toml(cfg)
         self.loader = base_loader = make_loader(cfg.data, self.tokenizer, cfg.training.batch_size, cfg.job.seed,
                                                 rank=self.world.dp_rank, world_size=self.world.dp_size)
+        if self.cp is not None:  # this rank's chunks of every sequence
+            self.loader = self.cp.loader(self.loader)
         if cfg.data.prefetch:
             pin = devices.has_pinned_memory(self.device.type)
             self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin=pin)
@@ -249,14 +251,13 @@ class Trainer:
         one transfer): a non-finite loss or gradient norm is recorded by the watch and its update
         skipped on the device (found_inf), so the weights stay finite until a log or save stops the run."""
         batches = [self.loader.next_batch() for _ in range(self.accum)]
-        if self.cp is not None:  # this rank's chunks of every sequence
-            batches = [self.cp.split(b) for b in batches]
         self.model.train()
         dropout = self.handle.lora is not None and self.cfg.lora.dropout > 0
 
         def seed_dropout(micro: int) -> None:  # masks from (seed, step, micro-batch, rank): exact on resume, any device
             if dropout:
-                torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, self.world.dp_rank))
+                rank = self.world.dp_rank * self.world.cp + (self.cp.rank if self.cp is not None else 0)
+                torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, rank))
 
         accumulate = (self.preference.accumulate if self.preference is not None
                       else functools.partial(lm_objective.accumulate, self))

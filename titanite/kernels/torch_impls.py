@@ -43,7 +43,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | N
     if document_ids is None:
         if q_len == kv_len:  # no mask at all: the kernels skip the blocks above the diagonal
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        mask = None if q_len == 1 else _shared_mask(("causal", q_len, kv_len, q.device), None, q.dtype,
+        mask = None if q_len == 1 else _shared_mask(("causal", q_len, kv_len, q.device), None, compute_dtype(q, k, v),
                                                     lambda: causal_mask(q_len, kv_len, q.device))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     # The spans are read from the ids on the host: free for a CPU tensor, a drained queue every
@@ -51,7 +51,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | N
     # (`flex` is the packed-documents kernel for GPUs); a chunk of queries over earlier keys
     # (context parallelism) takes the mask path too.
     if not document_ids.is_cpu or q_len != kv_len:
-        mask = _shared_mask(("docs", q_len), document_ids, q.dtype, lambda: block_causal_mask(document_ids, q_len))
+        mask = _shared_mask(("docs", q_len), document_ids, compute_dtype(q, k, v),
+                            lambda: block_causal_mask(document_ids, q_len))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if torch.compiler.is_compiling():
         # The spans are read from the ids on the host: a compiled graph would specialise on
@@ -64,7 +65,7 @@ _masks: dict = {}  # (kind, q_len, ..., dtype) -> (the ids it was built from or 
 
 
 def _shared_mask(key: tuple, ids: Tensor | None, dtype: torch.dtype, build) -> Tensor:
-    """The additive mask (0 where allowed, -inf elsewhere, in the queries' dtype) of the boolean
+    """The additive mask (0 where allowed, -inf elsewhere, in the dtype attention computes in) of the boolean
     one `build` makes for `key` (and, for document masks, the very ids tensor `ids` at its
     current version), built once and reused by every layer: autograd then keeps one copy for
     the backward. (A boolean mask would be converted inside every call and each layer would keep
@@ -76,9 +77,8 @@ def _shared_mask(key: tuple, ids: Tensor | None, dtype: torch.dtype, build) -> T
     if hit is not None and hit[0] is ids:
         return hit[1]
     if ids is not None:  # prefixes of one micro-batch's ids (context parallelism) share their base
-        base = ids if ids._base is None else ids._base
-        for stale in [k for k, (other, _) in _masks.items()
-                      if other is not None and (other if other._base is None else other._base) is not base]:
+        base = _base(ids)
+        for stale in [k for k, (other, _) in _masks.items() if other is not None and _base(other) is not base]:
             del _masks[stale]
     if len(_masks) >= 4:
         _masks.clear()
@@ -198,9 +198,20 @@ def _flex_block_mask(document_ids: Tensor | None, B: int, q_len: int, kv_len: in
         def mask_mod(b, h, q_idx, kv_idx):
             return (q_idx + offset >= kv_idx) & (docs[b, q_idx + offset] == docs[b, kv_idx])
         block_mask = create_block_mask(mask_mod, B, None, q_len, kv_len, device=device)
-    _flex_cache.clear()  # one step's mask at a time; the next batch brings new document ids
+    if document_ids is not None:  # new ids: a new micro-batch; its predecessor's masks are done
+        base = _base(document_ids)
+        for stale in [k for k, (ids, _) in _flex_cache.items() if ids is not None and _base(ids) is not base]:
+            del _flex_cache[stale]
+    if len(_flex_cache) >= 4:
+        _flex_cache.clear()
     _flex_cache[key] = (document_ids, block_mask)
     return block_mask
+
+
+def _base(ids: Tensor) -> Tensor:
+    """The tensor `ids` is a view of (itself when it is none): a micro-batch's context-parallel
+    prefixes share their base."""
+    return ids if ids._base is None else ids._base
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,9 +46,16 @@ class ContextParallel:
                  "[%d, %d), and attention gathers the keys and values of the rest", self.cp, seq_len, self.rank * c,
                  (self.rank + 1) * c, (2 * self.cp - 1 - self.rank) * c, (2 * self.cp - self.rank) * c)
 
+    def loader(self, loader: Any) -> SplitLoader:
+        """`loader` whose batches come split (before any pinning: the copy to the device then
+        starts from pinned memory)."""
+        return SplitLoader(loader, self)
+
     def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's share of a host batch of [B, S] tensors (other entries as they are)."""
         S = batch["input_ids"].shape[1]
+        if S % (2 * self.cp):
+            raise ValueError(f"a batch of {S}-token sequences cannot be cut into 2 x cp = {2 * self.cp} chunks")
         index = local_index(S, self.cp, self.rank)
         out = {k: v.index_select(1, index) if v.dim() == 2 and v.shape[1] == S else v for k, v in batch.items()}
         if "document_ids" in batch:
@@ -70,12 +78,25 @@ class ContextParallel:
             yield
 
 
+class SplitLoader:
+    """A loader whose `next_batch` is this rank's share; everything else is the loader's."""
+
+    def __init__(self, loader: Any, cp: ContextParallel) -> None:
+        self.inner, self.cp = loader, cp
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        return self.cp.split(self.inner.next_batch())
+
+    def __getattr__(self, name: str) -> Any:  # state_dict, data_metrics, seq_len, ...
+        return getattr(self.inner, name)
+
+
 def apply(model: nn.Module, device_type: str, dtype: torch.dtype) -> int:
     """Make every attention call site of `model` context-parallel (around whatever implementation
     it is bound to). Returns how many it wrapped."""
     n = 0
     for _site, _module, kernel in iter_kernels(model):
-        if kernel.op != "attention" or getattr(kernel.fn, "__wrapped__", None) is not None:
+        if kernel.op != "attention" or hasattr(kernel.fn, "_titanite_context_parallel"):
             continue
         inner = kernel.fn if kernel.fn is not None else default_impl("attention", device_type, dtype).fn
         kernel.fn = context_parallel.wrap(inner)
