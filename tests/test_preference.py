@@ -154,14 +154,27 @@ def torchrun(nproc: int, args: list[str]) -> None:
     ("moe", "qwen3", {"parallelism.ep": 2}),
     ("moe", "hf", {"preference.reference": "precomputed"}),
     ("dense", "qwen3", {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}),  # HSDP's replicas
+    # context parallelism: each rank holds half of every row; the rows' sums are summed over both
+    # (with held-out evaluation every step: its pairs' sums are the whole rows' too)
+    ("dense", "hf", {"parallelism.cp": 2, "preference.sft_weight": 0.5, "eval.interval": 1}),
+    ("moe", "qwen3", {"parallelism.cp": 2, "preference.reference": "precomputed"}),
 ])
 def test_two_ranks_equal_one_process(world, tmp_path, kind, spec, layout):
     # 2 steps of 4 pairs: the first 8 of the 10 pairs under both layouts (one epoch's whole batches)
     extra = {"model.spec": spec, "data.shuffle": False, "training.steps": 2, **layout}
+    if "eval.interval" in extra:
+        extra["eval.path"] = world["standard"]
     one = train(dpo_args(world, tmp_path / "one", kind=kind, form="standard",
                          **{k: v for k, v in extra.items() if not k.startswith("parallelism")}))
     torchrun(2, dpo_args(world, tmp_path / "two", kind=kind, form="standard", **extra))
-    assert_same(read_metrics(tmp_path / "two"), one, rel=1e-5, grad_rel=1e-4)
+    two = read_metrics(tmp_path / "two")
+    assert_same([r for r in two if "loss" in r], [r for r in one if "loss" in r], rel=1e-5, grad_rel=1e-4)
+    if "eval.interval" in extra:
+        evals = [[r for r in rows if "eval_loss" in r] for rows in (two, one)]
+        assert len(evals[1]) == 2
+        for mine, theirs in zip(*evals, strict=True):
+            for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_rewards/accuracies"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
 def test_activation_checkpointing_and_accumulation_change_nothing(world, tmp_path):

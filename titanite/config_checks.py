@@ -99,9 +99,6 @@ def validate_context_parallel(cfg: Config) -> None:
         raise UserError(f"config key 'data.seq_len' ({seq_len}) must be a multiple of 2 x parallelism.cp"
                         f"{' x tp' if p.tp > 1 else ''} = {unit}: every sequence is cut into 2 x cp equal chunks "
                         f"(x tp for sequence parallelism); e.g. data.seq_len = {near}")
-    if cfg.training.objective == "dpo":
-        raise UserError(f"parallelism.cp = {p.cp} with training.objective = 'dpo' is not supported yet: the "
-                        "sequence log-probabilities are not summed over the cp ranks; set parallelism.cp = 1")
     if p.compile:
         raise UserError(f"parallelism.cp = {p.cp} together with parallelism.compile = true is not supported yet "
                         "(the key/value gathers inside compiled blocks are untested); turn one of them off")

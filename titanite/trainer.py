@@ -115,7 +115,7 @@ class Trainer:
         self.compute_dtype = ready.compute_dtype
         self.flops_per_token = self.handle.flops_per_token(cfg.data.seq_len)
         self.preference = (build_objective(cfg, ready, self.world, self.device, self.autocast, base_loader,
-                                           self.evaluator) if cfg.training.objective == "dpo" else None)
+                                           self.evaluator, self.cp) if cfg.training.objective == "dpo" else None)
         if self.preference is not None:  # MFU counts the reference's forward too
             self.flops_per_token += self.preference.reference_flops_per_token(cfg.data.seq_len)
         self.mfu = Mfu(devices.peak_flops(self.device, ready.compute_dtype, cfg.metrics.peak_tflops),

@@ -128,6 +128,18 @@ def wrap(fn: Callable) -> Callable:
     return attention
 
 
+def sum_rows(t: Tensor) -> Tensor:
+    """Per-row sums over this rank's chunks (e.g. a sequence's log-probability) -> the whole
+    rows', on every cp rank, while a layout is active (differentiably: the backward sums the
+    ranks' gradients, so a loss every cp rank computes alike is divided by cp); else `t`."""
+    layout = _active[0]
+    if layout is None:
+        return t
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t, group=layout.group)
+
+
 def pool_routing(counts: Tensor, prob_sum: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, int]:
     """MoE routing statistics of this rank's tokens -> those of the whole sequences: summed over
     the cp group while a layout is active (prob_sum differentiably: each rank's share of the

@@ -14,6 +14,7 @@ means over the step's pairs; evaluation reports them with `eval_` in front.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -37,10 +38,15 @@ class PreferenceObjective:
     """The DPO step and evaluation, on the trainer's model handle and world."""
 
     def __init__(self, cfg: Config, handle: Any, world: Any, device: torch.device, autocast: Any,
-                 reference: Reference | None) -> None:
+                 reference: Reference | None, cp: Any = None) -> None:
         self.cfg, self.pr = cfg, cfg.preference
         self.handle, self.world, self.device, self.autocast = handle, world, device, autocast
         self.reference = reference
+        self.cp = cp  # titanite.parallel.context.ContextParallel, or None
+
+    def _context(self, batch: dict[str, torch.Tensor]) -> Any:
+        """Context parallelism's layout of a split device batch (nothing without cp)."""
+        return self.cp.micro_batch(batch) if self.cp is not None else contextlib.nullcontext()
 
     def reference_flops_per_token(self, seq_len: int) -> float:
         """FLOPs per token of the reference's forward in each step (0 when precomputed or none): a
@@ -53,38 +59,41 @@ class PreferenceObjective:
                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """Forward and backward of every micro-batch of one step: (the step's loss, the MoE
         auxiliary loss or None, the metrics), each summed over the data-parallel ranks."""
-        accum, dp = len(batches), self.world.dp_size
+        accum, dp, cp = len(batches), self.world.dp_size, self.world.cp
         pairs = float(sum(len(b["pair_index"]) for b in batches) * dp)
         chosen_tokens = None
-        if self.pr.sft_weight:
+        if self.pr.sft_weight:  # this rank's chunks' tokens: summed over dp x cp
             n = torch.stack([(b["labels"][: len(b["pair_index"])] != -100).sum() for b in batches]).sum()
-            chosen_tokens = self.world.all_reduce_sum_dp(n.to(self.device, torch.float32)).clamp_min(1)
+            chosen_tokens = self.world.all_reduce_sum_loss(n.to(self.device, torch.float32)).clamp_min(1)
         total = torch.zeros((), device=self.device)
         sums = torch.zeros(len(METRICS), device=self.device)
         aux_total: torch.Tensor | None = None
         stats: dict[str, torch.Tensor] = {}
         for micro, b in enumerate(batches):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-            # no loss_parallel: sequence_logps gathers vocabulary-sharded logits itself
-            ref = None if self.reference is None else self.reference.logps(b, "train")
-            dropout_seed(micro)  # after the reference's forward, which must not move the masks
-            out, scores, chosen_sum = self._scores_with(b, ref)
-            result = pair_loss(scores, self.pr)
-            loss = result.loss.sum() / pairs
-            if chosen_tokens is not None:
-                loss = loss + self.pr.sft_weight * (-chosen_sum.sum() / chosen_tokens)
-            total = total + loss.detach()
-            if out.aux_loss is not None:
-                aux = distributed.full_tensor(out.aux_loss) / (accum * dp)
-                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-                loss = loss + aux
-            loss.backward()
+            with self._context(b):
+                # no loss_parallel: sequence_logps gathers vocabulary-sharded logits itself
+                ref = None if self.reference is None else self.reference.logps(b, "train")
+                dropout_seed(micro)  # after the reference's forward, which must not move the masks
+                out, scores, chosen_sum = self._scores_with(b, ref)
+                result = pair_loss(scores, self.pr)
+                loss = result.loss.sum() / pairs
+                if chosen_tokens is not None:
+                    loss = loss + self.pr.sft_weight * (-chosen_sum.sum() / chosen_tokens)
+                # cp ranks compute the same pair losses from the whole rows' sums: a 1/cp share each
+                loss = loss / cp
+                total = total + loss.detach()
+                if out.aux_loss is not None:
+                    aux = distributed.full_tensor(out.aux_loss) / (accum * dp * cp)
+                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+                    loss = loss + aux
+                loss.backward()
             sums += _metric_sums(result)
             for k, v in out.stats.items():
                 stats[k] = stats.get(k, 0.0) + v / accum
-        total = self.world.all_reduce_sum_dp(total)
+        total = self.world.all_reduce_sum_loss(total)
         if aux_total is not None:
-            aux_total = self.world.all_reduce_sum_dp(aux_total)
+            aux_total = self.world.all_reduce_sum_loss(aux_total)
         sums = self.world.all_reduce_sum_dp(sums) / pairs
         return total, aux_total, {**dict(zip(METRICS, sums)), **stats}
 
@@ -106,10 +115,11 @@ class PreferenceObjective:
         sums = torch.zeros(len(METRICS) + 4, dtype=torch.float64, device=self.device)
         try:
             for b in batches:
-                b = {k: v.to(self.device) for k, v in b.items()}
+                b = {k: v.to(self.device) for k, v in (self.cp.split(b) if self.cp else b).items()}
                 valid = b.pop("pair_valid")
-                ref = None if self.reference is None else self.reference.logps(b, "eval")
-                _, scores, chosen_sum = self._scores_with(b, ref)
+                with self._context(b):  # the sums are the whole rows' on every cp rank
+                    ref = None if self.reference is None else self.reference.logps(b, "eval")
+                    _, scores, chosen_sum = self._scores_with(b, ref)
                 result = pair_loss(_select(scores, valid), self.pr)
                 sums[:len(METRICS)] += _metric_sums(result).double()
                 sums[-4:] += torch.stack([result.loss.sum(), valid.sum(), -chosen_sum[valid].sum(),
@@ -141,7 +151,7 @@ def _metric_sums(result: Any) -> torch.Tensor:
 
 
 def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, autocast: Any, train: Any,
-                    evaluator: Any) -> PreferenceObjective:
+                    evaluator: Any, cp: Any = None) -> PreferenceObjective:
     """The DPO objective with its reference (titanite/preference/reference.py): the separate model
     materialised, or the policy with adapters off; for 'precomputed', the tables read or
     computed (training pairs `train.windows`, held-out pairs `evaluator.windows`) and the model
@@ -150,7 +160,7 @@ def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, a
     if uses_reference(cfg):
         separate = not adapters_are_reference(cfg)
         reference = Reference("model" if separate else "adapters_off", ready.reference if separate else ready.handle,
-                              world, autocast)
+                              world, autocast, cp)
 
         def materialize() -> None:
             if separate and not reference.materialized:
@@ -178,4 +188,4 @@ def build_objective(cfg: Config, ready: Any, world: Any, device: torch.device, a
             reference.release()
         else:
             materialize()
-    return PreferenceObjective(cfg, ready.handle, world, device, autocast, reference)
+    return PreferenceObjective(cfg, ready.handle, world, device, autocast, reference, cp)

@@ -41,7 +41,7 @@ from titanite.data.store import TokenStore
 from titanite.data.tokenizer import Tokenizer
 from titanite.errors import UserError
 from titanite import kernels
-from titanite.kernels import IGNORE_INDEX
+from titanite.kernels import IGNORE_INDEX, context_parallel
 from titanite.lora.native import LoraGroupedExperts, LoraLinear
 from titanite.models.handle import ModelHandle, TrainOutput
 from titanite.models.spec import get_spec
@@ -174,15 +174,17 @@ def sequence_logps(handle: ModelHandle, batch: dict[str, torch.Tensor], autocast
         logits = distributed.full_tensor(out.logits)
         nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none").view(labels.shape).sum(1)
-    return out, -nll, (labels != IGNORE_INDEX).sum(1).float()
+    # under context parallelism a rank holds chunks of each row: the whole rows' sums
+    return out, -context_parallel.sum_rows(nll), context_parallel.sum_rows((labels != IGNORE_INDEX).sum(1).float())
 
 
 class Reference:
     """The reference's summed completion log-probs for a device batch of pairs."""
 
-    def __init__(self, kind: str, handle: ModelHandle | None, world: Any, autocast: Any) -> None:
+    def __init__(self, kind: str, handle: ModelHandle | None, world: Any, autocast: Any, cp: Any = None) -> None:
         self.kind = kind  # 'model', 'adapters_off' or 'precomputed'
         self.handle, self.world, self.autocast = handle, world, autocast
+        self.cp = cp  # titanite.parallel.context.ContextParallel, or None
         self.tables: dict[str, torch.Tensor] = {}
         self.separate = kind == "model"  # a model of its own (not the policy with adapters off)
         self.materialized = not self.separate  # a separate model is allocated on first need
@@ -234,8 +236,10 @@ class Reference:
             idx = g * global_batch + w.dp_rank * batch_size + np.arange(batch_size)
             valid = torch.from_numpy(idx < n).to(device)
             idx = np.minimum(idx, n - 1)
-            batch = {k: v.to(device) for k, v in windows.batch(idx).items()}
-            c, r = self.forward(batch)
+            batch = windows.batch(idx)
+            batch = {k: v.to(device) for k, v in (self.cp.split(batch) if self.cp else batch).items()}
+            with self.cp.micro_batch(batch) if self.cp else contextlib.nullcontext():
+                c, r = self.forward(batch)
             rows = torch.stack([c, r], 1) * valid[:, None]
             table.index_add_(0, batch["pair_index"], rows)
             if steps >= 10 and (g + 1) % max(1, steps // 10) == 0:
