@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, read_metrics
-from tests.test_distributed import (_env, args_for, assert_same_export, assert_same_run, data, dense, moe,  # noqa: F401
-                                    resume_dir, single_process, torchrun)
+from tests.test_distributed import (_env, args_for, assert_same_export, assert_same_run, data, dense,  # noqa: F401
+                                    layout_params, moe, resume_dir, run_layout, single_process, torchrun)
 from titanite.config import load_config
 from titanite.errors import UserError
 from titanite.trainer import Trainer
@@ -73,27 +73,19 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if LAYOUTS[name][1] > 2 else [])
-                                    for name in LAYOUTS])
+@pytest.mark.parametrize("layout", layout_params(LAYOUTS))
 def test_layout_matches_single_process(layout, request, tmp_path, data):
-    fixture, ranks, extra = LAYOUTS[layout]
-    hf = request.getfixturevalue(fixture)
-    steps = 5
+    extra = LAYOUTS[layout][2]
     if "eval.interval" in extra:
         extra = {**extra, "eval.path": data}
-    reference = {k: v for k, v in extra.items() if not k.startswith("parallelism.")}
-    single_process(args_for(hf, data, tmp_path / "ref", steps, **reference))
-    proc = torchrun(ranks, args_for(hf, data, tmp_path / "run", steps, **extra))
+    proc = run_layout({layout: (*LAYOUTS[layout][:2], extra)}, layout, request, tmp_path, data)
     assert f"cp={extra['parallelism.cp']}" in proc.stderr
-    assert_same_run(tmp_path / "ref", tmp_path / "run", list(range(1, steps + 1)))
     if "eval.path" in extra:
         evals = [[(r["step"], r["eval_loss"], r["eval_tokens"]) for r in read_metrics(tmp_path / d) if "eval_loss" in r]
                  for d in ("ref", "run")]
         assert [s for s, _, _ in evals[1]] == [2, 4, 5]
         for (_, ref_loss, ref_tokens), (_, loss, tokens) in zip(*evals, strict=True):
             assert tokens == ref_tokens and loss == pytest.approx(ref_loss, rel=1e-5)
-    if "lora.enabled" not in extra:
-        assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
 
 
 def test_checkpoint_from_cp2_resumes_on_one_process(tmp_path, moe, data):

@@ -182,19 +182,32 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if LAYOUTS[name][1] > 2 else [])
-                                    for name in LAYOUTS])
-def test_layout_matches_single_process(layout, request, tmp_path, data):
-    fixture, ranks, extra = LAYOUTS[layout]
+def layout_params(layouts: dict) -> list:
+    """The layouts' names as test parameters; those on more than 2 ranks marked slow."""
+    return [pytest.param(name, marks=[pytest.mark.slow] if layouts[name][1] > 2 else []) for name in layouts]
+
+
+def run_layout(layouts: dict, layout: str, request, tmp_path: Path, data: Path, steps: int = 5
+               ) -> subprocess.CompletedProcess:
+    """A layout's torchrun job against its own single-process run of the same config (less the
+    [parallelism] keys): the same losses, grad norms and (without LoRA) export."""
+    fixture, ranks, extra = layouts[layout]
     hf = request.getfixturevalue(fixture)
-    steps = 5
     reference = {k: v for k, v in extra.items() if not k.startswith("parallelism.")}
     single_process(args_for(hf, data, tmp_path / "ref", steps, **reference))
     proc = torchrun(ranks, args_for(hf, data, tmp_path / "run", steps, **extra))
+    assert_same_run(tmp_path / "ref", tmp_path / "run", list(range(1, steps + 1)))
+    if "lora.enabled" not in extra:
+        assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
+    return proc
+
+
+@pytest.mark.parametrize("layout", layout_params(LAYOUTS))
+def test_layout_matches_single_process(layout, request, tmp_path, data):
+    proc = run_layout(LAYOUTS, layout, request, tmp_path, data)
+    extra = LAYOUTS[layout][2]
     if "parallelism.ep" in extra:  # the experts really were sharded, on either backend
         assert f"on this rank (ep={extra['parallelism.ep']})" in proc.stderr + proc.stdout
-    assert_same_run(tmp_path / "ref", tmp_path / "run", list(range(1, steps + 1)))
-    assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
 
 
 # -- failures: a dead or stuck rank ends the job ---------------------------------------------
