@@ -6,6 +6,9 @@ import os
 import platform
 import subprocess
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
@@ -87,3 +90,25 @@ def apply_quick(args, steps: int) -> None:
     """--quick: a smaller model (hidden 256, 4 layers) and one short repeat, for a smoke run."""
     args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 256, 768, 4, 4, 2
     args.repeats, args.warmup, args.steps = 1, 1, steps
+
+
+def titanite_state() -> str:
+    """The commit measured, and whether titanite/ had changes not yet committed."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "titanite"], capture_output=True, text=True,
+                               cwd=REPO).stdout
+    except OSError:
+        return "unknown (no git)"
+    changed = len(dirty.splitlines())
+    return f"commit {head.strip()}" + (f" with {changed} uncommitted change(s) under titanite/" if changed else "")
+
+
+def proc_status() -> dict[str, int]:
+    """VmHWM, VmRSS, RssAnon, RssFile of this process, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out

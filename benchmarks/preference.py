@@ -67,7 +67,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import apply_quick, machine
+from common import apply_quick, machine, titanite_state
 from preference_child import child
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,18 +162,6 @@ def run_child(kind: str, args: argparse.Namespace, root: Path, inputs: dict, n: 
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - start
     return result
-
-
-def titanite_state() -> str:
-    """The commit measured, and whether titanite/ had changes not yet committed."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "titanite"], capture_output=True, text=True,
-                               cwd=REPO).stdout
-    except OSError:
-        return "unknown (no git)"
-    changed = len(dirty.splitlines())
-    return f"commit {head.strip()}" + (f" with {changed} uncommitted change(s) under titanite/" if changed else "")
 
 
 def _floor(kind: str) -> str:

@@ -48,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import add_model_args, machine, mark_phases
+from common import add_model_args, machine, mark_phases, proc_status
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -58,16 +58,6 @@ LOG_LINE = re.compile(r"model qwen3: .* parameters")
 
 
 # -- inside each rank ---------------------------------------------------------------------------
-
-
-def proc_status() -> dict[str, int]:
-    """VmHWM, VmRSS, RssAnon, RssFile of this process, in bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def rank_child(argv: list[str]) -> None:
