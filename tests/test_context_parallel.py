@@ -104,12 +104,13 @@ def test_checkpoint_from_cp2_resumes_on_one_process(tmp_path, moe, data):
 def test_activation_memory_per_rank_halves_at_cp2():
     """The bytes autograd keeps for the backward (unique storages) of one forward at S = 2048 on
     each rank of cp = 2, against the same model's forward of the whole sequence in one process:
-    about half, plus the gathered keys and values and the shared mask."""
+    about half, plus the gathered keys and values (no mask: on the CPU a chunk's attention over
+    its key prefix is two flash calls merged). Measured 0.545 on both ranks."""
     out = _workers("memory", 2)
     ratios = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("memory")]
     assert len(ratios) == 2
     for ratio in ratios:
-        assert 0.45 < ratio < 0.65, out
+        assert 0.45 < ratio < 0.6, out
 
 
 @pytest.mark.parametrize("overrides, message", [

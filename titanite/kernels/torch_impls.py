@@ -34,15 +34,20 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 @register("attention", "sdpa")
 def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | None = None) -> Tensor:
     """F.scaled_dot_product_attention: is_causal (flash / efficient kernels) for whole sequences,
-    no mask for one new token over a KV cache, an explicit mask for a chunk over a cache or a
-    context-parallel chunk over the keys before it (one mask per shape or ids tensor, shared by
-    every layer). Packed whole sequences go span by span (`document_spans`): no [S, S] mask is
-    ever built."""
+    no mask for one new token over a KV cache; a chunk of queries over a cache or a
+    context-parallel chunk over the keys before it: on the CPU two flash calls merged exactly
+    (`_PrefixCausal`, no mask), elsewhere an explicit mask (one per shape or ids tensor, shared
+    by every layer). Packed whole sequences go span by span (`document_spans`): no [S, S] mask
+    is ever built."""
     gqa = q.shape[1] != k.shape[1]
     q_len, kv_len = q.shape[2], k.shape[2]
     if document_ids is None:
         if q_len == kv_len:  # no mask at all: the kernels skip the blocks above the diagonal
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if q_len > 1 and q.is_cpu and not torch.compiler.is_compiling():  # no mask: two blocks, merged exactly
+            dtype = compute_dtype(q, k, v)
+            with torch.autocast("cpu", enabled=False):
+                return _PrefixCausal.apply(q.to(dtype), k.to(dtype), v.to(dtype), scale)
         mask = None if q_len == 1 else _shared_mask(("causal", q_len, kv_len, q.device), None, compute_dtype(q, k, v),
                                                     lambda: causal_mask(q_len, kv_len, q.device))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -59,6 +64,40 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, document_ids: Tensor | N
         # them and recompile for every batch. (Wrapped here: torch.compiler.disable imports dynamo.)
         return torch.compiler.disable(_packed_sdpa)(q, k, v, scale, document_ids)
     return _packed_sdpa(q, k, v, scale, document_ids)
+
+
+class _PrefixCausal(torch.autograd.Function):
+    """Causal attention of Sq queries that are the last positions of Sk > Sq keys (a chunk over
+    a KV cache, or a context-parallel chunk over its key prefix) on the CPU, without a mask:
+    the keys before the queries (visible to all) and the queries' own block (causal) are two
+    flash-attention calls, merged by their log-sum-exps. The backward runs each block's flash
+    backward with the merged output and log-sum-exp, which gives each block's exact share of the
+    gradient (the softmax over both blocks). Memory O(S), where a mask would be Sq x Sk."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        split = k.shape[2] - q.shape[2]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        before, lse_before = flash(q, k[:, :, :split], v[:, :, :split], 0.0, False, scale=scale)
+        own, lse_own = flash(q, k[:, :, split:], v[:, :, split:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_before, lse_own)  # [B, Hq, Sq], fp32
+        out = (before.float() * (lse_before - lse).exp()[..., None]
+               + own.float() * (lse_own - lse).exp()[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        split = k.shape[2] - q.shape[2]
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq_before, dk_before, dv_before = backward(grad, q, k[:, :, :split], v[:, :, :split], out, lse, 0.0, False,
+                                                   scale=ctx.scale)
+        dq_own, dk_own, dv_own = backward(grad, q, k[:, :, split:], v[:, :, split:], out, lse, 0.0, True,
+                                          scale=ctx.scale)
+        return dq_before + dq_own, torch.cat([dk_before, dk_own], 2), torch.cat([dv_before, dv_own], 2), None
 
 
 _masks: dict = {}  # (kind, q_len, ..., dtype) -> (the ids it was built from or None, mask)

@@ -17,8 +17,9 @@ and cp rank r holds chunks r and 2cp-1-r (titanite/kernels/context_parallel.py).
   (titanite/kernels/torch_impls.py, `_shared_mask`): rank r's chunks end at (r + 1) c and
   (2cp - r) c, so its two masks hold c x (2cp + 1) c values, per row of the micro-batch when
   samples are packed as documents (the mask follows each row's documents), once for all rows
-  otherwise (plain causal). The kernels' cache keeps it past the step's backward, so it is
-  counted in every moment of the step;
+  otherwise (plain causal) on an accelerator; on the host CPU plain rows take no mask (the
+  chunk's two blocks are flash calls merged by their log-sum-exps). The kernels' cache keeps it
+  past the step's backward, so it is counted in every moment of the step;
 - parameters, gradients and optimizer state are FSDP-sharded over dp_shard x cp
   (ParallelDims.fsdp_shard; counts.sharded), and the loss and its token count are reduced over
   dp x cp; the global batch is still batch_size x seq_len x dp per micro-batch step (cp does not
@@ -94,7 +95,7 @@ def local_tokens(cfg: Config, d: ParallelDims, sequences: int) -> int:
 
 
 def context_share(cfg: Config, a: Qwen3Args, d: ParallelDims, sequences: int,
-                  micro_batches: int) -> ContextShare | None:
+                  micro_batches: int, host: bool = False) -> ContextShare | None:
     """The CP terms for a micro-batch of `sequences` sequences, `micro_batches` per optimizer
     step; None without context parallelism (cp = 1: causal attention runs mask-free)."""
     if d.cp == 1:
@@ -103,8 +104,10 @@ def context_share(cfg: Config, a: Qwen3Args, d: ParallelDims, sequences: int,
     kv_layer = 2.0 * sequences * (a.num_kv_heads // d.tp) * S * a.head_dim * c_bytes
     checkpointed = cfg.parallelism.activation_checkpoint != "none"
     chunk = S // (2 * cp)
-    rows = sequences if packing_mode(cfg.data) == "documents" else 1
-    mask = float(rows * chunk * (2 * cp + 1) * chunk * c_bytes)  # one value per query/key pair
+    documents = packing_mode(cfg.data) == "documents"
+    rows = sequences if documents else 1
+    # one value per query/key pair; plain rows on the host CPU take no mask (two flash calls merged)
+    mask = 0.0 if host and not documents else float(rows * chunk * (2 * cp + 1) * chunk * c_bytes)
     collectives = 3 if checkpointed else 2
     communication = kv_layer * (cp - 1) / cp * collectives * a.num_layers * micro_batches
     return ContextShare(cp, S // cp, kv_layer, 0.0 if checkpointed else a.num_layers * kv_layer,

@@ -117,7 +117,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     terms = loss_terms(cfg, a, d, top, tokens, profile.keeps_logits) if dpo else None
     phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers,
                          terms)
-    cp = context_share(cfg, a, d, sequences_per_micro_batch(cfg), accumulation_steps(cfg, d))
+    cp = context_share(cfg, a, d, sequences_per_micro_batch(cfg), accumulation_steps(cfg, d), host=on_gloo)
     phases = add_context(phases, cp)
     share = None
     if dpo:
