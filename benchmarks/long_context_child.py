@@ -75,11 +75,12 @@ def gather_share(argv: list[str]) -> None:
 
     from titanite.kernels import context_parallel
     from titanite.kernels.context_parallel import Layout, gather_sequence
+    from titanite.parallel.context import GroupCollectives
     from titanite.kernels.torch_impls import sdpa
 
     dist.init_process_group("gloo")
     me, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
+    group = GroupCollectives(dist.group.WORLD)
     attention = context_parallel.wrap(sdpa)
     B, Hq, Hk, D = args.batch, args.heads, args.kv_heads, args.head_dim
     scale = D ** -0.5

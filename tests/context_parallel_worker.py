@@ -17,7 +17,7 @@ import torch.distributed as dist
 from titanite.kernels import context_parallel as C
 from titanite.kernels.reference_ops import attention
 from titanite.kernels.torch_impls import sdpa
-from titanite.parallel.context import ContextParallel, apply, local_index
+from titanite.parallel.context import ContextParallel, GroupCollectives, apply, local_index
 
 
 def check_attention(rank: int, cp: int) -> None:
@@ -35,7 +35,7 @@ def check_attention(rank: int, cp: int) -> None:
         for t in (q, k, v):
             t.grad = None
         local = [t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
-        with C.active(C.Layout(dist.group.WORLD, cp, rank, S, ids)):
+        with C.active(C.Layout(GroupCollectives(dist.group.WORLD), cp, rank, S, ids)):
             out = C.wrap(sdpa)(*local, 0.3, None if ids is None else ids[:, idx])
             out.backward(grad[:, :, idx])
         errors = [(out - ref[:, :, idx]).abs().max()] + [(t.grad - e).abs().max() for t, e in zip(local, expected)]

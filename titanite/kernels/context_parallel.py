@@ -28,10 +28,25 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+
+class Collectives(Protocol):
+    """The cp group's collectives, supplied by the parallel layer (titanite/parallel/context.py):
+    the model layer, which imports this module, never imports torch.distributed."""
+
+    def gather(self, rows: Tensor) -> Tensor:
+        """Concatenate every rank's `rows` along dim 0, in rank order (differentiable: the
+        backward reduce-scatters the gradient)."""
+
+    def sum(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks (differentiable: the backward sums the ranks' gradients)."""
+
+    def sum_(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks in place, no gradient."""
 
 
 @dataclass
@@ -39,7 +54,7 @@ class Layout:
     """One micro-batch's split: this rank's two chunks of the sequence, and the document ids of
     the whole sequence (on the device) when samples are packed."""
 
-    group: dist.ProcessGroup
+    group: Collectives
     cp: int
     rank: int  # in the cp group
     seq_len: int  # the whole sequence
@@ -85,11 +100,9 @@ def current() -> Layout | None:
 def gather_sequence(x: Tensor, layout: Layout) -> Tensor:
     """x: [B, H, S/cp, D], this rank's two chunks -> [B, H, S, D], the whole sequence in order.
     Differentiable: the backward reduce-scatters the gradient back to the ranks' chunks."""
-    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
-
     B, H, local, D = x.shape
     rows = x.permute(2, 0, 1, 3).contiguous()  # [S/cp, B, H, D]: the gather concatenates dim 0
-    gathered = wait_tensor(all_gather_single_autograd(rows, gather_dim=0, group=layout.group))  # [S, B, H, D]
+    gathered = layout.group.gather(rows)  # [S, B, H, D]
     # Rank r's chunks r and 2cp-1-r: the front halves in rank order, then the back halves in
     # reverse rank order (views and one concatenation; no index tensor to copy to the device).
     chunks = gathered.view(layout.cp, 2, local // 2, B, H, D)
@@ -135,9 +148,7 @@ def sum_rows(t: Tensor) -> Tensor:
     layout = _active[0]
     if layout is None:
         return t
-    from torch.distributed.nn.functional import all_reduce
-
-    return all_reduce(t, group=layout.group)
+    return layout.group.sum(t)
 
 
 def pool_routing(counts: Tensor, prob_sum: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, int]:
@@ -147,8 +158,4 @@ def pool_routing(counts: Tensor, prob_sum: Tensor, num_tokens: int) -> tuple[Ten
     layout = _active[0]
     if layout is None:
         return counts, prob_sum, num_tokens
-    from torch.distributed.nn.functional import all_reduce
-
-    counts = counts.clone()
-    dist.all_reduce(counts, group=layout.group)
-    return counts, all_reduce(prob_sum, group=layout.group), num_tokens * layout.cp
+    return layout.group.sum_(counts.clone()), layout.group.sum(prob_sum), num_tokens * layout.cp

@@ -27,6 +27,29 @@ log = logging.getLogger("titanite")
 FULL_DOCUMENTS = "cp_document_ids"  # the batch key of the whole rows' document ids
 
 
+class GroupCollectives:
+    """kernels.context_parallel.Collectives over a process group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+
+        return wait_tensor(all_gather_single_autograd(rows, gather_dim=0, group=self.group))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(t, group=self.group)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
 def local_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Positions of the sequence that cp rank `rank` holds, in its order: chunks rank and
     2cp-1-rank of 2cp."""
@@ -38,7 +61,7 @@ class ContextParallel:
     """The cp group of this rank and the per-micro-batch split and layout."""
 
     def __init__(self, mesh, seq_len: int) -> None:
-        self.group = mesh.get_group()
+        self.group = GroupCollectives(mesh.get_group())
         self.cp = mesh.size()
         self.rank = mesh.get_local_rank()
         c = seq_len // (2 * self.cp)
