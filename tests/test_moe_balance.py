@@ -126,3 +126,17 @@ def test_scope_on_a_dense_model_warns(tmp_path, tiny_hf, data, caplog):
     trainer = Trainer(load_config(None, tiny_train_args(tiny_hf, data, tmp_path / "out", **GLOBAL)))
     trainer.close()
     assert "model.aux_loss_scope = 'global_batch' has no effect: the model is dense" in caplog.text
+
+
+def test_the_estimate_counts_the_counting_forward(moe, data, tmp_path):
+    """With accumulation, 'global_batch' runs one more forward per micro-batch: a third more of
+    the step's FLOPs (forward + backward = 3 forwards); without accumulation, none."""
+    from titanite.plan import estimate
+
+    def flops(**extra) -> float:
+        return estimate(load_config(None, tiny_train_args(moe, data, tmp_path / "x", **{**GLOBAL, **extra})), 1
+                        ).flops_per_step
+
+    micro = flops(**{"model.aux_loss_scope": "micro_batch"})
+    assert flops() == pytest.approx(micro * 4 / 3, rel=1e-9)
+    assert flops(**{"training.global_batch_size": 2}) == pytest.approx(micro / 4, rel=1e-9)  # one micro-batch

@@ -108,8 +108,11 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     else:
         per_token = flops_per_token(a, cfg.data.seq_len)
     flops = per_token * global_tokens / world_size
+    base = flops
     if cfg.parallelism.activation_checkpoint == "full":
-        flops *= 4 / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
+        flops += base / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
+    if a.num_experts and cfg.model.aux_loss_scope == "global_batch" and accumulation_steps(cfg, d) > 1:
+        flops += base / 3  # the counting forward of every micro-batch (titanite/models/moe_balance.py)
     if on_gloo is None:
         on_gloo = is_host(pick_device(cfg.job.device))
     block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
