@@ -24,7 +24,7 @@ def step_balance(trainer: Any) -> StepBalance | None:
         return None
     w = trainer.world
     return StepBalance(trainer.cfg.model.aux_loss_scope, args.router_aux_loss_coef, bool(args.output_router_logits),
-                       trainer.accum, w.dp_size, w.cp, w.all_reduce_sum_dp, w.all_reduce_sum_loss)
+                       trainer.accum, w.dp_size, w.cp, w.all_reduce_sum_dp)
 
 
 def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropout: Any
@@ -55,7 +55,7 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
             aux = None
             if balance is not None:  # reported separately, and trained only when the model asks for it
                 own = None if out.aux_loss is None else distributed.full_tensor(out.aux_loss)
-                aux = balance.term(out.routing, own)
+                aux = balance.term(out.routing, out.stats["moe/load_balance_loss"], own)
             if aux is not None:
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
                 loss = loss + aux

@@ -36,6 +36,7 @@ from titanite.lora import adapter as lora_adapter
 from titanite.models.handle import TrainOutput
 from titanite.optim import build_optimizer, lr_at, set_lr
 from titanite.parallel import distributed
+from titanite.parallel import context
 from titanite.parallel.context import ContextParallel
 from titanite.parallel.grad_norm import clip_grad_norm_
 from titanite.parallel.plans import parallelize
@@ -275,7 +276,7 @@ class Trainer:
 
     def _context(self, batch: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
         """Context parallelism's layout of a split device batch, for its forward and backward."""
-        return self.cp.micro_batch(batch) if self.cp is not None else contextlib.nullcontext()
+        return context.micro_batch(self.cp, batch)
 
     def _stop_if_nonfinite(self, before_save: bool) -> None:
         """Exit 3 when the watch recorded a non-finite step, or, before a save, when any
@@ -319,7 +320,7 @@ class Trainer:
         """Loss and perplexity on the held-out data (eval.path; titanite/eval.py) and the
         eval.tasks benchmark scores (titanite/harness.py)."""
         def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:  # of whole sequences, on every cp rank
-            b = self.cp.split(b) if self.cp is not None else b
+            b = context.split(self.cp, b)
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self.world.loss_parallel(), self._context(b):
                 return self.world.all_reduce_sum_cp(self._forward(b)[1].detach())

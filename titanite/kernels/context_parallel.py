@@ -54,7 +54,7 @@ class Layout:
     """One micro-batch's split: this rank's two chunks of the sequence, and the document ids of
     the whole sequence (on the device) when samples are packed."""
 
-    group: Collectives
+    collectives: Collectives
     cp: int
     rank: int  # in the cp group
     seq_len: int  # the whole sequence
@@ -102,7 +102,7 @@ def gather_sequence(x: Tensor, layout: Layout) -> Tensor:
     Differentiable: the backward reduce-scatters the gradient back to the ranks' chunks."""
     B, H, local, D = x.shape
     rows = x.permute(2, 0, 1, 3).contiguous()  # [S/cp, B, H, D]: the gather concatenates dim 0
-    gathered = layout.group.gather(rows)  # [S, B, H, D]
+    gathered = layout.collectives.gather(rows)  # [S, B, H, D]
     # Rank r's chunks r and 2cp-1-r: the front halves in rank order, then the back halves in
     # reverse rank order (views and one concatenation; no index tensor to copy to the device).
     chunks = gathered.view(layout.cp, 2, local // 2, B, H, D)
@@ -148,7 +148,7 @@ def sum_rows(t: Tensor) -> Tensor:
     layout = _active[0]
     if layout is None:
         return t
-    return layout.group.sum(t)
+    return layout.collectives.sum(t)
 
 
 def pool_routing(counts: Tensor, prob_sum: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, int]:
@@ -158,4 +158,4 @@ def pool_routing(counts: Tensor, prob_sum: Tensor, num_tokens: int) -> tuple[Ten
     layout = _active[0]
     if layout is None:
         return counts, prob_sum, num_tokens
-    return layout.group.sum_(counts.clone()), layout.group.sum(prob_sum), num_tokens * layout.cp
+    return layout.collectives.sum_(counts.clone()), layout.collectives.sum(prob_sum), num_tokens * layout.cp

@@ -31,7 +31,6 @@ from collections.abc import Callable
 import torch
 
 from titanite.kernels.routing import RoutingRecord
-from titanite.models.moe_stats import load_balancing_loss
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -47,14 +46,14 @@ def global_balance(prob_sums: torch.Tensor, counts: torch.Tensor, tokens: float)
 class StepBalance:
     """One step's balance: the loss term each micro-batch adds and both scopes' logged values.
 
-    reduce_dp sums over the data-parallel ranks (records are already pooled over cp), reduce_loss
-    over the ranks whose losses add up (dp x cp); cp: ranks holding the same pooled records."""
+    reduce_dp sums over the data-parallel ranks (records are already pooled over cp); cp: ranks
+    holding the same pooled records."""
 
     def __init__(self, scope: str, coef: float, trained: bool, accum: int, dp: int, cp: int,
-                 reduce_dp: Reduce, reduce_loss: Reduce) -> None:
+                 reduce_dp: Reduce) -> None:
         self.scope, self.coef, self.trained = scope, coef, trained
         self.accum, self.dp, self.cp = accum, dp, cp
-        self.reduce_dp, self.reduce_loss = reduce_dp, reduce_loss
+        self.reduce_dp = reduce_dp
         self.counts: torch.Tensor | None = None  # the step's [L, E], once known
         self.tokens = 0.0
         self._micro = torch.zeros(())  # summed micro-batch losses (detached)
@@ -77,12 +76,14 @@ class StepBalance:
         self.counts = self.reduce_dp(self.counts.clone())
         self.tokens *= self.dp
 
-    def term(self, records: list[RoutingRecord], micro_aux: torch.Tensor | None) -> torch.Tensor | None:
+    def term(self, records: list[RoutingRecord], micro_balance: torch.Tensor,
+             micro_aux: torch.Tensor | None) -> torch.Tensor | None:
         """The loss term one micro-batch adds (scaled by the coefficient; None when the loss is
-        not trained). micro_aux: the model's own micro-batch loss term (coef x transformers' math)."""
+        not trained). micro_balance: the model's micro-batch balance loss as it logs it
+        (moe/load_balance_loss, transformers' math); micro_aux: its trained term (x coef)."""
         counts = torch.stack([r.counts for r in records])
         probs = torch.stack([r.prob_sum for r in records])
-        self._micro = self._micro.to(probs.device) + load_balancing_loss(records, counts.shape[1]).detach()
+        self._micro = self._micro.to(probs.device) + micro_balance
         self._probs = probs.detach() if self._probs is None else self._probs + probs.detach()
         self._seen = self._seen.to(counts.device) + counts
         self._tokens_seen = self._tokens_seen + records[0].num_tokens

@@ -61,7 +61,7 @@ class ContextParallel:
     """The cp group of this rank and the per-micro-batch split and layout."""
 
     def __init__(self, mesh, seq_len: int) -> None:
-        self.group = GroupCollectives(mesh.get_group())
+        self.collectives = GroupCollectives(mesh.get_group())
         self.cp = mesh.size()
         self.rank = mesh.get_local_rank()
         c = seq_len // (2 * self.cp)
@@ -88,7 +88,7 @@ class ContextParallel:
     def layout(self, batch: dict[str, torch.Tensor]) -> context_parallel.Layout:
         """The layout of a split (device) batch."""
         S = batch["input_ids"].shape[1] * self.cp
-        return context_parallel.Layout(self.group, self.cp, self.rank, S, batch.get(FULL_DOCUMENTS))
+        return context_parallel.Layout(self.collectives, self.cp, self.rank, S, batch.get(FULL_DOCUMENTS))
 
     @contextlib.contextmanager
     def micro_batch(self, batch: dict[str, torch.Tensor]) -> Iterator[None]:
@@ -99,6 +99,16 @@ class ContextParallel:
             return
         with context_parallel.active(self.layout(batch)):
             yield
+
+
+def split(cp: ContextParallel | None, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` as this rank holds it: split under context parallelism, else as it is."""
+    return cp.split(batch) if cp is not None else batch
+
+
+def micro_batch(cp: ContextParallel | None, batch: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+    """The layout of a split device batch, for its forward and backward (nothing without cp)."""
+    return cp.micro_batch(batch) if cp is not None else contextlib.nullcontext()
 
 
 class SplitLoader:

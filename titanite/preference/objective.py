@@ -14,7 +14,6 @@ means over the step's pairs; evaluation reports them with `eval_` in front.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from titanite.config import Config
 from titanite.models.flops import flops_per_token
-from titanite.parallel import distributed
+from titanite.parallel import context, distributed
 from titanite.preference.losses import PairScores, pair_loss
 from titanite.preference.reference import (Reference, adapters_are_reference, materialize_reference, sequence_logps,
                                            uses_reference, weights_identity)
@@ -43,10 +42,6 @@ class PreferenceObjective:
         self.handle, self.world, self.device, self.autocast = handle, world, device, autocast
         self.reference = reference
         self.cp = cp  # titanite.parallel.context.ContextParallel, or None
-
-    def _context(self, batch: dict[str, torch.Tensor]) -> Any:
-        """Context parallelism's layout of a split device batch (nothing without cp)."""
-        return self.cp.micro_batch(batch) if self.cp is not None else contextlib.nullcontext()
 
     def reference_flops_per_token(self, seq_len: int) -> float:
         """FLOPs per token of the reference's forward in each step (0 when precomputed or none): a
@@ -71,7 +66,7 @@ class PreferenceObjective:
         stats: dict[str, torch.Tensor] = {}
         for micro, b in enumerate(batches):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-            with self._context(b):
+            with context.micro_batch(self.cp, b):
                 # no loss_parallel: sequence_logps gathers vocabulary-sharded logits itself
                 ref = None if self.reference is None else self.reference.logps(b, "train")
                 dropout_seed(micro)  # after the reference's forward, which must not move the masks
@@ -115,9 +110,9 @@ class PreferenceObjective:
         sums = torch.zeros(len(METRICS) + 4, dtype=torch.float64, device=self.device)
         try:
             for b in batches:
-                b = {k: v.to(self.device) for k, v in (self.cp.split(b) if self.cp else b).items()}
+                b = {k: v.to(self.device) for k, v in context.split(self.cp, b).items()}
                 valid = b.pop("pair_valid")
-                with self._context(b):  # the sums are the whole rows' on every cp rank
+                with context.micro_batch(self.cp, b):  # the sums are the whole rows' on every cp rank
                     ref = None if self.reference is None else self.reference.logps(b, "eval")
                     _, scores, chosen_sum = self._scores_with(b, ref)
                 result = pair_loss(_select(scores, valid), self.pr)

@@ -45,7 +45,7 @@ from titanite.kernels import IGNORE_INDEX, context_parallel
 from titanite.lora.native import LoraGroupedExperts, LoraLinear
 from titanite.models.handle import ModelHandle, TrainOutput
 from titanite.models.spec import get_spec
-from titanite.parallel import distributed
+from titanite.parallel import context, distributed
 from titanite.parallel.plans import parallelize
 
 log = logging.getLogger("titanite")
@@ -237,8 +237,8 @@ class Reference:
             valid = torch.from_numpy(idx < n).to(device)
             idx = np.minimum(idx, n - 1)
             batch = windows.batch(idx)
-            batch = {k: v.to(device) for k, v in (self.cp.split(batch) if self.cp else batch).items()}
-            with self.cp.micro_batch(batch) if self.cp else contextlib.nullcontext():
+            batch = {k: v.to(device) for k, v in context.split(self.cp, batch).items()}
+            with context.micro_batch(self.cp, batch):
                 c, r = self.forward(batch)
             rows = torch.stack([c, r], 1) * valid[:, None]
             table.index_add_(0, batch["pair_index"], rows)
