@@ -188,6 +188,10 @@ class ParallelismConfig:
     dp_shard: int = _f(-1, "Sharded data-parallel degree (FSDP2); -1 = the rest of the world size.")
     tp: int = _f(1, "Tensor-parallel degree.")
     cp: int = _f(1, "Context-parallel degree: every sequence is split over cp ranks (each holds the chunks i and 2cp-1-i of 2cp equal chunks, so causal attention costs every rank the same) and attention all-gathers the keys and values over them. data.seq_len must be a multiple of 2 x cp (x tp with tensor parallelism). FSDP shards over dp_shard x cp; each cp group reads one data-parallel slice of the batch.")
+    pp: int = _f(1, "Pipeline-parallel degree: the layers are split into stages over pp groups of ranks (the outermost mesh dimension, so a stage's ranks sit together and only activations cross between groups). The step's micro-batches (training.global_batch_size / (batch_size x data-parallel ranks)) flow through the pipeline.")
+    pp_schedule: str = _f("1F1B", "Pipeline schedule (torch.distributed.pipelining): '1F1B', 'GPipe' (one stage per rank), 'Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble' (two stages per rank; ZBV places them in a V).")
+    pp_microbatches: int = _f(0, "Pipeline micro-batches per pipeline pass; 0 = every micro-batch of the step in one pass. Must divide the step's micro-batches; multi-stage schedules need at least pp.")
+    pp_split: list[int] = _f([], "Layers per stage, in order (its length is the number of stages: pp, or 2 x pp for two-stage-per-rank schedules); empty = balanced by each layer's cost, the embedding counted on the first stage and the head on the last.")
     ep: int = _f(1, "Expert-parallel degree (MoE). Expert-parallel ranks are taken from the dp_shard ranks, so ep must divide dp_shard.")
     activation_checkpoint: str = _f("none", "Recompute activations in backward to save memory: 'none', 'full' (each transformer block keeps only its input) or 'selective' (keep matmul and attention outputs, recompute norms, activations and RoPE).",
                                     choices=("none", "full", "selective"))

@@ -53,6 +53,8 @@ from titanite.models.handle import ModelHandle
 from titanite.models.qwen3.args import Qwen3Args, rope_reach, to_hf_config
 from titanite.models.spec import get_spec
 from titanite.parallel.mesh import ParallelDims
+from titanite.parallel import pipeline_layout
+from titanite.parallel.pipeline_layout import PipelineLayout
 from titanite.preference.reference import check_reference, reference_model_config
 from titanite.runlock import check_free
 
@@ -76,6 +78,7 @@ class Prepared:
     grad_accum: int
     reference: ModelHandle | None = None  # preference training's separate reference model (meta)
     reference_weights: str | None = None  # the folder it loads; None = the seeded init
+    pipeline: PipelineLayout | None = None  # parallelism.pp > 1: the stages and their schedule
 
 
 def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
@@ -99,6 +102,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     handle.attach_kernels(kernels_cfg, device.type, compute_dtype)
     check_layout(dims, handle)
     check_balance_scope(cfg, handle.args)
+    pipeline = pipeline_layout.check(cfg, dims, handle, grad_accum)
     # A run that will resume reads its weights from the checkpoint, not from model.hf_path; a
     # LoRA run's checkpoints hold only the adapters, so its base is always read.
     resuming = cfg.checkpoint.resume and bool(list_checkpoints(Path(cfg.job.output_dir) / "checkpoints"))
@@ -121,7 +125,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
                         f"sample, which model.spec = '{cfg.model.spec}' does not provide; set "
                         "data.packing = 'pad' (one sample per sequence)")
     return Prepared(cfg, device, compute_dtype, dims, handle, tokenizer, weights, grad_accum, reference,
-                    reference_weights)
+                    reference_weights, pipeline)
 
 
 def check_rope_reach(args: Qwen3Args, seq_len: int) -> None:

@@ -31,9 +31,16 @@ def adapter(handle: ModelHandle, cfg: Config, lora_record: dict[str, Any], out: 
             pass
 
 
-def model(handle: ModelHandle, cfg: Config, tokenizer: Tokenizer, out: Path, rank: int, merged: bool = False) -> None:
-    """The model as a Hugging Face folder (`merged`: LoRA adapters folded into the base)."""
-    tensors = handle.hf_state_dict(distributed.regions_to_rank_zero, merged=merged)
+def model(handle: ModelHandle, cfg: Config, tokenizer: Tokenizer, out: Path, rank: int, merged: bool = False,
+          world: distributed.World | None = None) -> None:
+    """The model as a Hugging Face folder (`merged`: LoRA adapters folded into the base). Under
+    pipeline parallelism (`world.pp` > 1) rank 0 receives the other stages' tensors."""
+    if world is not None and world.pp > 1:
+        from titanite.parallel.pipeline import to_rank_zero
+
+        tensors = to_rank_zero(world, lambda regions: handle.hf_state_dict(regions, merged=merged))
+    else:
+        tensors = handle.hf_state_dict(distributed.regions_to_rank_zero, merged=merged)
     config = handle.hf_config()
     if rank == 0:
         export_hf(tensors, config, out, cfg.checkpoint.export_shard_mb, source_folders=[cfg.model.hf_path],

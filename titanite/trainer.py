@@ -39,6 +39,7 @@ from titanite.parallel import distributed
 from titanite.parallel import context
 from titanite.parallel.context import ContextParallel
 from titanite.parallel.grad_norm import clip_grad_norm_
+from titanite.parallel.pipeline import Pipeline
 from titanite.parallel.plans import parallelize
 from titanite.preference.objective import build_objective
 from titanite.preflight import Prepared, preflight
@@ -97,7 +98,10 @@ class Trainer:
         self.step = 0
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
-        parallelize(self.handle, self.world, cfg)  # on the meta device: nothing is allocated yet
+        self.pipeline = (Pipeline(self.handle, self.world, ready.pipeline, lm_objective.stage_hook(self))
+                         if ready.pipeline is not None else None)
+        parallelize(self.handle, self.world, cfg,  # on the meta device: nothing is allocated yet
+                    self.pipeline.parts if self.pipeline is not None else None)
         self._materialize(ready.weights, resuming)
         self.optimizer = build_optimizer(self.model, cfg.training)
         adapters = self.handle.lora
@@ -263,7 +267,8 @@ class Trainer:
         accumulate = (self.preference.accumulate if self.preference is not None
                       else functools.partial(lm_objective.accumulate, self))
         total, aux_total, stats = accumulate(batches, seed_dropout)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf)
+        stages = self.world.meshes["pp"].get_group() if self.pipeline is not None else None
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf, stages)
         ok = torch.isfinite(total) & torch.isfinite(grad_norm)
         self.finite.note_update(self.step + 1, ok, total, grad_norm)
         set_lr(self.optimizer, lr_at(self.cfg.training, self.step))
@@ -320,6 +325,8 @@ class Trainer:
         """Loss and perplexity on the held-out data (eval.path; titanite/eval.py) and the
         eval.tasks benchmark scores (titanite/harness.py)."""
         def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:  # of whole sequences, on every cp rank
+            if self.pipeline is not None:
+                return lm_objective.pipeline_eval_loss(self, b)
             b = context.split(self.cp, b)
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self.world.loss_parallel(), self._context(b):
@@ -367,4 +374,4 @@ class Trainer:
 
     def export(self, out: Path, merged: bool = False) -> None:
         """The Hugging Face folder (with `merged`, a LoRA run's adapters folded in); every rank takes part."""
-        run_export.model(self.handle, self.cfg, self.tokenizer, out, self.rank, merged)
+        run_export.model(self.handle, self.cfg, self.tokenizer, out, self.rank, merged, self.world)

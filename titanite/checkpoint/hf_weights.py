@@ -30,10 +30,13 @@ class StateDictAdapter(Protocol):
     def skips(self, name: str) -> bool: ...
 
 
-def _plan(model: nn.Module, adapter: StateDictAdapter, reader: HFReader) -> list[tuple[str, torch.Tensor, list[str]]]:
+def _plan(model: nn.Module, adapter: StateDictAdapter, reader: HFReader,
+          whole: bool = True) -> list[tuple[str, torch.Tensor, list[str]]]:
     """(model key, target tensor, HF keys) for every parameter and persistent buffer, after
     checking each HF tensor's presence, shape and kind against the headers (no data read).
-    Works on a meta-device model, so it can run before anything is allocated."""
+    Works on a meta-device model, so it can run before anything is allocated. whole: the model
+    is the whole architecture, so the folder must hold no tensor it does not use (False: a
+    pipeline stage's part, whose whole model preflight checked)."""
     plan = []
     for name, target in model.state_dict().items():
         if adapter.skips(name):
@@ -53,7 +56,7 @@ def _plan(model: nn.Module, adapter: StateDictAdapter, reader: HFReader) -> list
         plan.append((name, target, [k for k, _ in pairs]))
     used = {k for _, _, keys in plan for k in keys}
     extra = sorted(set(reader.keys()) - used - adapter.ignorable_hf_keys())
-    if extra:
+    if extra and whole:
         raise UserError(f"{reader.folder}: checkpoint has tensors this architecture does not use, e.g. "
                         f"'{extra[0]}' in {reader.file_of(extra[0])} ({len(extra)} in all); "
                         f"does config.json match the weights?")
@@ -67,12 +70,12 @@ def check_hf_weights(model: nn.Module, adapter: StateDictAdapter, folder: str | 
         _plan(model, adapter, reader)
 
 
-def load_with_adapter(model: nn.Module, adapter: StateDictAdapter, folder: str | Path) -> None:
+def load_with_adapter(model: nn.Module, adapter: StateDictAdapter, folder: str | Path, whole: bool = True) -> None:
     """Fill every parameter and persistent buffer of `model` (materialised, sharded or not)
     from the HF folder, after checking every tensor against the headers; a rank reads only the
     slices of the on-disk tensors that fall in its own shards (see sharded.py)."""
     with HFReader(folder) as reader:
-        _plan(model, adapter, reader)
+        _plan(model, adapter, reader, whole)
         touched = fill(model, adapter, reader)
     log.info("loaded this rank's parts of %d tensors from %s", touched, folder)
 

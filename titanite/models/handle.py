@@ -29,6 +29,7 @@ from titanite import lora
 from titanite.config import KernelsConfig, LoraConfig
 from titanite.models.flops import flops_per_token, lora_flops_per_token
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.stage import Part, keep_parts
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # a sharded tensor -> the full tensor (a collective)
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sum over every rank, in place
@@ -115,6 +116,7 @@ class ModelHandle(ABC):
         # comes from sharded logits (loss_parallel), not from the fused loss op.
         self.vocab_parallel = False
         self.lora: Lora | None = None  # set by apply_lora
+        self.stage_parts: list[Part] | None = None  # set by keep_parts: the pipeline stages the module holds
         module.__dict__[_HANDLE_ATTR] = self
 
     # -- what the model is -----------------------------------------------------------------
@@ -174,7 +176,7 @@ class ModelHandle(ABC):
     def load_hf(self, folder: str) -> None:
         """Copy the weights of a local HF folder into the materialised model (the base of a
         LoRA model; its adapters are left as they are)."""
-        load_with_adapter(self.module, self.base_adapter(), folder)
+        load_with_adapter(self.module, self.base_adapter(), folder, whole=self.stage_parts is None)
         self.init_buffers()
 
     def hf_state_dict(self, regions: RegionGather | None = None,
@@ -252,3 +254,31 @@ class ModelHandle(ABC):
 
     def after_optimizer_step(self, all_reduce: AllReduce) -> None:
         """Run after every optimizer step (e.g. MoE load-balancing bias updates)."""
+
+    # -- pipeline stages -------------------------------------------------------------------
+
+    # (the blocks' ModuleList, the first stage's modules, the last stage's), as dotted names;
+    # None: the backend cannot be split into pipeline stages.
+    pipeline_modules: ClassVar[tuple[str, tuple[str, ...], tuple[str, ...]] | None] = None
+
+    def keep_parts(self, parts: list[Part]) -> None:
+        """Cut the meta-device model to the pipeline stages this rank runs (models/stage.py)."""
+        if self.pipeline_modules is None:
+            from titanite.errors import UserError
+
+            raise UserError(f"parallelism.pp > 1: model.spec = '{self.backend}' cannot be split into pipeline stages")
+        keep_parts(self.module, *self.pipeline_modules, parts)
+        self.stage_parts = parts
+
+    def forward_part(self, x: torch.Tensor, batch: dict[str, torch.Tensor], part: Part) -> torch.Tensor:
+        """One pipeline stage's training forward: `x` the micro-batch's input_ids (first stage) or
+        the previous stage's hidden states; the hidden states out, or on the last stage the
+        summed cross-entropy (the logits when loss_from_logits). Through the module's own call,
+        so the hooks on it (FSDP's) run."""
+        labels = batch["labels"] if part.last and not self.loss_from_logits else None
+        return self.module(x, position_ids=batch["position_ids"], document_ids=batch.get("document_ids"),
+                           labels=labels, part=part)
+
+    def routing(self, layers: range) -> list[tuple[int, Any]]:
+        """(layer index, RoutingRecord) of the MoE blocks among `layers`, from their last forward."""
+        return []

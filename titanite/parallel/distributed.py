@@ -48,6 +48,20 @@ class World:
         return self.dims.cp if self.dims else 1
 
     @property
+    def pp(self) -> int:
+        return self.dims.pp if self.dims else 1
+
+    @property
+    def pp_rank(self) -> int:
+        return self.meshes["pp"].get_local_rank() if self.pp > 1 else 0
+
+    def all_reduce_sum_pp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over this rank's pipeline ranks (one per stage group)."""
+        if self.pp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.meshes["pp"].get_group())
+        return t
+
+    @property
     def loss_ranks(self) -> int:
         """Ranks whose losses add up to the step's: the data-parallel ranks x their cp ranks."""
         return self.dp_size * self.cp
@@ -158,26 +172,32 @@ def full_regions(name: str, t: torch.Tensor, indices: list[Index]) -> Iterator[t
     return (full[index] for index in indices)
 
 
-def regions_to_rank_zero(name: str, t: torch.Tensor, indices: list[Index]) -> Iterator[torch.Tensor]:
-    """A `RegionGather` that assembles each region on rank 0 alone, from the ranks that own its
-    parts: no rank holds more than its shards plus the region being assembled (rank 0) or one
-    part of its own shard (the others), and the other ranks get meta tensors of the regions'
-    shapes. The ranks first share their boxes (one small all-gather per tensor); each part is
-    then sent by the lowest rank that holds it (replicas send nothing)."""
+def regions_to_rank_zero(name: str, t: torch.Tensor, indices: list[Index],
+                         group: dist.ProcessGroup | None = None) -> Iterator[torch.Tensor]:
+    """A `RegionGather` that assembles each region on rank 0 (of `group`, default: of the world)
+    alone, from the ranks that own its parts: no rank holds more than its shards plus the region
+    being assembled (rank 0) or one part of its own shard (the others), and the other ranks get
+    meta tensors of the regions' shapes. The ranks first share their boxes (one small all-gather
+    per tensor); each part is then sent by the lowest rank that holds it (replicas send nothing)."""
     t = t.detach()
-    single = not dist.is_initialized() or dist.get_world_size() == 1
+    single = not dist.is_initialized() or dist.get_world_size(group) == 1
     if single or not hasattr(t, "device_mesh"):  # unsharded: every rank holds the same tensor
-        rank = 0 if single else dist.get_rank()
+        rank = 0 if single else dist.get_rank(group)
         yield from (t[index] if rank == 0 else _meta_region(t, index) for index in indices)
         return
-    rank, local = dist.get_rank(), t.to_local()
+    rank, local = dist.get_rank(group), t.to_local()
     offsets, sizes = local_box(t)
     mine = torch.tensor([*offsets, *sizes], dtype=torch.int64, device=local.device)
-    boxes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(boxes, mine)
+    boxes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(boxes, mine, group=group)
     owners: dict[tuple[int, ...], int] = {}
     for r, box in enumerate(boxes):
         owners.setdefault(tuple(box.tolist()), r)  # the lowest rank holding each distinct box
+    zero = 0 if group is None else dist.get_global_rank(group, 0)
+
+    def peer(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
     for index in indices:
         lo, hi = region_bounds(t.shape, index)
         out = torch.empty([b - a for a, b in zip(lo, hi)], dtype=t.dtype, device=local.device) if rank == 0 else None
@@ -193,12 +213,12 @@ def regions_to_rank_zero(name: str, t: torch.Tensor, indices: list[Index]) -> It
                 if rank == 0:
                     out[into_out].copy_(part)
                 else:
-                    dist.send(part.contiguous(), dst=0)
+                    dist.send(part.contiguous(), dst=zero)
             elif out[into_out].is_contiguous():  # rank 0 receives the part `owner` holds in place
-                dist.recv(out[into_out], src=owner)
+                dist.recv(out[into_out], src=peer(owner))
             else:
                 part = torch.empty([y - x for x, y in zip(a, b)], dtype=t.dtype, device=local.device)
-                dist.recv(part, src=owner)
+                dist.recv(part, src=peer(owner))
                 out[into_out].copy_(part)
                 del part
         yield out.reshape(_meta_region(t, index).shape) if rank == 0 else _meta_region(t, index)

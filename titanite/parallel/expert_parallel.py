@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titanite.models.qwen3.moe import GroupedExperts
+from titanite.models.stage import present
 
 log = logging.getLogger("titanite")
 
@@ -108,7 +109,7 @@ def apply_expert_parallel_qwen3(model: nn.Module, ep_mesh: DeviceMesh) -> list[n
     """Shard every native MoE layer's experts over `ep_mesh` in place; returns the expert modules
     (FSDP then shards their weights over the ranks that hold the same experts)."""
     groups = []
-    for block in model.layers:
+    for _, block in present(model.layers):
         experts = getattr(block.feed_forward, "experts", None)
         if not isinstance(experts, GroupedExperts):
             continue  # a dense layer (mlp_only_layers, decoder_sparse_step)
@@ -124,7 +125,7 @@ def apply_expert_parallel_hf(causal_lm: nn.Module, ep_mesh: DeviceMesh) -> list[
     from titanite.kernels.hf import run_local_experts
 
     groups = []
-    for layer in causal_lm.model.layers:
+    for _, layer in present(causal_lm.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is None:
             continue  # a dense layer

@@ -30,6 +30,13 @@ def uses_fsdp(world: World) -> bool:
     return world.dims is not None and (world.dims.dp > 1 or world.dims.cp > 1)
 
 
+def fsdp_groups(embedding: nn.Module | None, blocks: list, head: list) -> list:
+    """FSDP groups: the embedding, each block, the final norm with the head; those a pipeline
+    stage does not hold left out."""
+    head = [m for m in head if m is not None]
+    return ([embedding] if embedding is not None else []) + blocks + ([head] if head else [])
+
+
 def shard_model(root: nn.Module, groups: Sequence[nn.Module | list[nn.Module]], world: World,
                 mixed_precision: str, expert_params: Iterable[nn.Parameter] = ()) -> None:
     """fully_shard each group (bottom-up: blocks, then embeddings/head), then the root, which

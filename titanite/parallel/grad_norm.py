@@ -17,11 +17,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                    stages: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most `max_norm` (inf: never).
-    Returns the norm before clipping as a plain fp32 scalar tensor, the same on every rank."""
+    Returns the norm before clipping as a plain fp32 scalar tensor, the same on every rank.
+    stages: the pipeline group, whose ranks hold different parameters (their squares are summed)."""
     params = [p for p in parameters if p.grad is not None]
-    if not any(isinstance(p.grad, DTensor) for p in params):
+    if stages is None and not any(isinstance(p.grad, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     # Group local shards by (mesh, dims they are sharded on): one reduction per group.
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -47,6 +49,10 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
         for dim in shard_dims:  # summing over one mesh dimension at a time sums over all of them
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=meshes[key].get_group(dim))
         total_sq = sq if total_sq is None else total_sq + sq
+    if total_sq is None:  # no gradient on this rank
+        total_sq = torch.zeros((), dtype=torch.float32)
+    if stages is not None:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=stages)
     total = total_sq.sqrt()
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -33,10 +33,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanite.config import Config
+from titanite.models.stage import present
 from titanite.models.handle import ModelHandle
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
-from titanite.parallel.fsdp import shard_model, uses_fsdp
+from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp
 from titanite.parallel.lora_tp import adapt_plan, keep_frozen
 
 
@@ -54,15 +55,20 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
         from titanite.parallel.expert_parallel import apply_expert_parallel_hf
 
         expert_params = [p for m in apply_expert_parallel_hf(hf, world.meshes["ep"]) for p in m.parameters()]
-    blocks = list(hf.model.layers)
+    blocks = [b for _, b in present(hf.model.layers)]
     apply_activation_checkpointing(blocks, p.activation_checkpoint)
     if p.compile:
         apply_compile(blocks, world.device)
     if uses_fsdp(world):
-        groups: list = blocks if tied else [hf.model.embed_tokens, *blocks, [hf.model.norm, hf.lm_head]]
+        groups: list = blocks if tied else fsdp_groups(hf.model.embed_tokens, blocks, [hf.model.norm, hf.lm_head])
         # The transformers model is the FSDP root, not the wrapper: every forward (plain or
         # forward_train's `run`) enters through its __call__, where FSDP gathers the root group.
         shard_model(hf, groups, world, cfg.training.mixed_precision, expert_params)
+
+
+def _has(root: nn.Module, name: str) -> bool:
+    parent, _, attr = name.rpartition(".")
+    return getattr(root.get_submodule(parent) if parent else root, attr) is not None
 
 
 class ReplicateParallel(ParallelStyle):
@@ -107,12 +113,14 @@ def _layer_plan(sparse: bool) -> dict:
 def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bool) -> None:
     """Shard a materialised transformers Qwen3ForCausalLM (dense) in place over `tp_mesh`.
     The logits come out as a DTensor sharded over the vocabulary (for `loss_parallel`)."""
-    parallelize_module(causal_lm, tp_mesh, {
+    top = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.norm": ReplicateParallel(),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    })
-    for layer in causal_lm.model.layers:
+    }
+    present_top = {k: v for k, v in top.items() if _has(causal_lm, k)}  # a pipeline stage's own modules
+    parallelize_module(causal_lm, tp_mesh, present_top)
+    for _, layer in present(causal_lm.model.layers):
         parallelize_module(layer, tp_mesh, adapt_plan(_layer_plan(sparse=hasattr(layer.mlp, "experts")), layer))
     if tied:
         # Each style registered its own Parameter; the head must use the embedding's (both are

@@ -1,6 +1,7 @@
 """Parallel degrees from `[parallelism]`, their checks, and the device mesh built from them.
 
-The world is laid out as `dp_replicate x dp_shard x cp x tp` ranks (tp innermost, so a
+The world is laid out as `pp x dp_replicate x dp_shard x cp x tp` ranks (pp outermost: pipeline
+stages exchange only activations, point to point, so they may sit on different nodes; tp innermost, so a
 tensor-parallel group sits on neighbouring ranks, i.e. inside one node; a context-parallel group
 next to it, as it exchanges keys and values in every layer). Expert parallelism borrows its ranks
 from dp_shard: an `ep` group is `ep` neighbouring dp_shard ranks, and the experts are sharded
@@ -31,25 +32,30 @@ class ParallelDims:
     ep: int
     world_size: int
     cp: int = 1
+    pp: int = 1
 
     @classmethod
     def resolve(cls, p: ParallelismConfig, world_size: int) -> ParallelDims:
         """Fill in dp_shard = -1 and check that the degrees multiply to the world size."""
         dp_shard = p.dp_shard
-        cp = p.cp
+        cp, pp = p.cp, p.pp
+        if world_size % pp:
+            raise UserError(f"parallelism.pp ({pp}) does not divide the world size {world_size} (torchrun --nnodes x "
+                            "--nproc_per_node)")
+        lead = f"parallelism.pp ({pp}) x dp_replicate" if pp > 1 else "parallelism.dp_replicate"
         if dp_shard == -1:
-            rest = p.dp_replicate * cp * p.tp
+            rest = pp * p.dp_replicate * cp * p.tp
             if world_size % rest:
-                degrees = f"parallelism.dp_replicate ({p.dp_replicate}) x " + (f"cp ({cp}) x " if cp > 1 else "parallelism.")
+                degrees = f"{lead} ({p.dp_replicate}) x " + (f"cp ({cp}) x " if cp > 1 else "parallelism.")
                 raise UserError(
                     f"{degrees}tp ({p.tp}) = {rest} does not divide the world size {world_size}, so "
                     f"parallelism.dp_shard = -1 cannot take the rest")
             dp_shard = world_size // rest
-        product = p.dp_replicate * dp_shard * cp * p.tp
+        product = pp * p.dp_replicate * dp_shard * cp * p.tp
         if product != world_size:
             degrees = f"dp_shard ({dp_shard}) x " + (f"cp ({cp}) x " if cp > 1 else "")
             raise UserError(
-                f"parallelism.dp_replicate ({p.dp_replicate}) x {degrees}tp ({p.tp}) = {product}, but the world size "
+                f"{lead} ({p.dp_replicate}) x {degrees}tp ({p.tp}) = {product}, but the world size "
                 f"is {world_size} (torchrun --nnodes x --nproc_per_node); make the product match or set "
                 f"parallelism.dp_shard = -1")
         if dp_shard % p.ep:
@@ -60,7 +66,7 @@ class ParallelDims:
             # Compiled blocks fail in backward at the sequence-parallel redistributions.
             raise UserError(f"parallelism.compile = true together with parallelism.tp ({p.tp}) is not supported; "
                             f"turn one of them off")
-        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size, cp)
+        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size, cp, pp)
 
     @property
     def dp(self) -> int:
@@ -95,11 +101,13 @@ class ParallelDims:
         (dp_replicate, dp_shard x cp) for HSDP). With EP, dp_shard is split into
         (dp_shard_mod_ep, ep): 'ep' shards the experts and 'fsdp_experts' FSDP-shards them over
         the ranks that hold the same experts (dp_shard_mod_ep x cp)."""
-        names = ("dp_replicate", "dp_shard", "cp", "tp")
-        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        world = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                  mesh_dim_names=names)
         meshes = {"world": world, "dp": world["dp_replicate", "dp_shard"]._flatten("dp"), "tp": world["tp"],
-                  "cp": world["cp"]}
+                  "cp": world["cp"], "pp": world["pp"]}
+        if self.pp > 1:  # the ranks of one pipeline rank's stages
+            meshes["stage"] = world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
         meshes["loss"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp") if self.cp > 1 else meshes["dp"]
         if self.cp == 1:
             meshes["fsdp"] = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
@@ -134,11 +142,13 @@ class ParallelDims:
         into one (named by joining its members), e.g. [(dp_replicate,), (dp_shard, cp), (tp,)]."""
         import torch
 
-        sizes = {"dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep,
-                 "cp": self.cp, "tp": self.tp}
+        groups = [("pp",), *groups]  # the outermost dim: each pipeline rank's submesh is its own
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep,
+                 "ep": self.ep, "cp": self.cp, "tp": self.tp}
         order = [name for group in groups for name in group]
         if "dp_shard_mod_ep" not in order:  # the world's own dp_shard, unsplit
-            sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+            sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                     "tp": self.tp}
         names = list(sizes)
         ranks = torch.arange(self.world_size).view(*sizes.values()).permute(*[names.index(n) for n in order])
         shape = [math.prod(sizes[n] for n in group) for group in groups]
@@ -148,4 +158,6 @@ class ParallelDims:
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"ep={self.ep}"]
         if self.cp > 1:
             parts.insert(2, f"cp={self.cp}")
+        if self.pp > 1:
+            parts.insert(0, f"pp={self.pp}")
         return f"{self.world_size} ranks ({', '.join(parts)})"

@@ -16,6 +16,7 @@ import torch
 from titanite.config import Config
 from titanite.errors import UserError
 from titanite.models.handle import ModelHandle
+from titanite.models.stage import Part
 from titanite.parallel.distributed import World
 
 Plan = Callable[[ModelHandle, World, Config], None]
@@ -29,8 +30,11 @@ def register_plan(backend: str, plan: Plan) -> None:
     _PLANS[backend] = plan
 
 
-def parallelize(handle: ModelHandle, world: World, cfg: Config) -> None:
-    """Apply `cfg.parallelism` to the handle's materialised module, in place."""
+def parallelize(handle: ModelHandle, world: World, cfg: Config, parts: list[Part] | None = None) -> None:
+    """Apply `cfg.parallelism` to the handle's (meta-device) module, in place. parts: the pipeline
+    stages this rank runs; the model is cut to them first."""
+    if parts is not None:
+        handle.keep_parts(parts)
     backend = handle.backend
     if backend not in _PLANS and backend in _BUILTIN:
         module, name = _BUILTIN[backend].split(":")

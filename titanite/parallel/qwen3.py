@@ -9,10 +9,11 @@ parameter in one group.
 from __future__ import annotations
 
 from titanite.config import Config
+from titanite.models.stage import present
 from titanite.models.handle import ModelHandle
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
-from titanite.parallel.fsdp import shard_model, uses_fsdp
+from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp
 from titanite.parallel.lora_tp import keep_frozen
 from titanite.parallel.tensor_parallel import apply_tensor_parallel_qwen3
 
@@ -32,7 +33,7 @@ def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
         from titanite.parallel.expert_parallel import apply_expert_parallel_qwen3
 
         expert_params = [p for m in apply_expert_parallel_qwen3(model, world.meshes["ep"]) for p in m.parameters()]
-    blocks = list(model.layers)
+    blocks = [b for _, b in present(model.layers)]
     apply_activation_checkpointing(blocks, p.activation_checkpoint)
     if p.compile:
         apply_compile(blocks, world.device)
@@ -40,6 +41,6 @@ def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
         groups: list = blocks
         if model.output is not None:
             # Untied: the embedding and the head are separate groups; the root keeps nothing.
-            groups = [model.tok_embeddings, *blocks, [model.norm, model.output]]
+            groups = fsdp_groups(model.tok_embeddings, blocks, [model.norm, model.output])
         # Tied: the shared matrix, the embedding and the head stay in the root group.
         shard_model(model, groups, world, cfg.training.mixed_precision, expert_params)

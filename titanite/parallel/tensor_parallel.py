@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from titanite.parallel.lora_tp import adapt_plan
+from titanite.models.stage import present
 
 
 def _gather_sequence(mesh: DeviceMesh):
@@ -87,10 +88,11 @@ def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     }
     if model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    top = {k: v for k, v in top.items() if getattr(model, k) is not None}  # a pipeline stage's own modules
     parallelize_module(model, tp_mesh, top)
-    if model.output is None:
+    if model.output is None and model.norm is not None:
         model.norm.register_forward_hook(_replicate_output)
-    for block in model.layers:
+    for _, block in present(model.layers):
         sparse = hasattr(block.feed_forward, "experts")
         parallelize_module(block, tp_mesh, adapt_plan(_block_plan(sparse), block))
         block.attention.register_forward_pre_hook(_gather_sequence(tp_mesh))

@@ -67,6 +67,11 @@ class HFModel(ModelHandle):
     fused_loss = True  # the head's `loss` call site (kernels/hf.py)
     module: HFCausalLM
     _installed: dict[str, int] | None = None  # titanite's call sites, per module kind (kernels/hf.py)
+    pipeline_modules = ("hf.model.layers", ("hf.model.embed_tokens",), ("hf.model.norm", "hf.lm_head"))
+
+    def routing(self, layers: range) -> list[tuple[int, Any]]:
+        blocks = self.module.hf.model.layers
+        return [(i, blocks[i].mlp.gate.last_routing) for i in layers if self.args.layer_is_moe(i)]
 
     def hf_config(self) -> dict[str, Any]:
         # The checkpoint's own config.json, untouched except for the dtype the export is in.

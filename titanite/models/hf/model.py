@@ -16,6 +16,7 @@ from transformers.utils import ModelOutput
 
 from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.stage import Part
 
 
 class HFCausalLM(nn.Module):
@@ -25,9 +26,36 @@ class HFCausalLM(nn.Module):
         self.args = args  # the same architecture in titanite's terms (FLOPs, MoE settings)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: [B, S] int64 -> logits [B, S, V]. document_ids: see `run`."""
-        return self.run(input_ids, position_ids, document_ids).logits
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                part: Part | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> logits [B, S, V] (with labels: see `run`). document_ids:
+        see `run`. part: run only these decoder layers (a pipeline stage), as the native model's
+        forward does: hidden states in unless first, hidden states out unless last."""
+        if part is None:
+            return self.run(input_ids, position_ids, document_ids, labels).logits
+        from titanite.kernels.hf import DOCUMENTS_KWARG, installed
+        from titanite.kernels.hf import labels as head_labels
+
+        model = self.hf.model
+        h = model.embed_tokens(input_ids) if part.first else input_ids
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[:2])
+        kw = {}
+        mask = None
+        if document_ids is not None and installed(self.hf):
+            kw[DOCUMENTS_KWARG] = document_ids
+        elif document_ids is not None:
+            mask = kernels.block_causal_mask(document_ids)
+        self._forget_rope_length()
+        position_embeddings = model.rotary_emb(h, position_ids)
+        for i in part.layers:
+            h = model.layers[i](h, attention_mask=mask, position_embeddings=position_embeddings,
+                                position_ids=position_ids, use_cache=False, **kw)
+        if not part.last:
+            return h
+        h = model.norm(h)
+        with head_labels(labels):
+            return self.hf.lm_head(h)
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
             document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> ModelOutput:

@@ -57,6 +57,10 @@ class Qwen3Model(ModelHandle):
     supports_expert_parallel = True
     fused_loss = True
     module: Qwen3
+    pipeline_modules = ("layers", ("tok_embeddings",), ("norm", "output"))
+
+    def routing(self, layers: range) -> list[tuple[int, Any]]:
+        return [(i, m.last_routing) for i, m in moe_layers(self.module) if i in layers]
 
     def hf_config(self) -> dict[str, Any]:
         # Start from the checkpoint's own config.json so fields titanite does not model survive.

@@ -16,6 +16,7 @@ from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.qwen3.kv_cache import KVCache, LayerCache
 from titanite.models.qwen3.moe import GroupedExperts, MoE, TopKRouter
+from titanite.models.stage import Part
 
 
 class RMSNorm(nn.Module):
@@ -227,13 +228,29 @@ class Qwen3(nn.Module):
         return self.norm(h)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                part: Part | None = None) -> torch.Tensor:
         """input_ids: [B, S] int64 -> logits [B, S, V]. document_ids: see hidden_states.
 
         With labels (int64 [B, S]): the fp32 cross-entropy summed over tokens whose label is not
         kernels.IGNORE_INDEX, through the `loss` op, instead of the logits (per row [B] inside
-        kernels.loss_per_row())."""
-        h = self.hidden_states(input_ids, position_ids, document_ids)
+        kernels.loss_per_row()).
+
+        part: run only these blocks (a pipeline stage): `input_ids` is then the previous part's
+        hidden states [B, S, H] unless the part is the first, and the output is the hidden states
+        after its last block unless it is the last."""
+        if part is not None:
+            h = self.tok_embeddings(input_ids) if part.first else input_ids
+            if position_ids is None:
+                position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[:2])
+            cos, sin = self.rotary(position_ids, h.dtype)
+            for i in part.layers:
+                h = self.layers[i](h, cos, sin, document_ids)
+            if not part.last:
+                return h
+            h = self.norm(h)
+        else:
+            h = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
             return h @ self.head_weight().t() if self.output is None else self.output(h)
         if self.output is None:
