@@ -212,7 +212,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "state": (("titanite.checkpoint",), ("parallel", "formats", "device", "foundation")),
     "run": (("titanite.preflight", "titanite.trainer", "titanite.eval", "titanite.harness", "titanite.optim",
              "titanite.metrics", "titanite.trackers", "titanite.runlock", "titanite.plan", "titanite.preference",
-             "titanite.run_export", "titanite.lm_objective"),
+             "titanite.run_export", "titanite.lm_objective", "titanite.lm_pipeline"),
             ("state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
     "commands": (("titanite", "titanite.cli", "titanite.train", "titanite.api", "titanite.export",
                   "titanite.generate", "titanite.eval_command", "titanite.device_check",

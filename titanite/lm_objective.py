@@ -36,7 +36,9 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
     n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
     n_valid = world.all_reduce_sum_loss(n_valid.to(torch.float32)).clamp_min(1)
     if trainer.pipeline is not None:
-        return _pipeline_accumulate(trainer, batches, n_valid)
+        from titanite import lm_pipeline
+
+        return lm_pipeline.accumulate(trainer, batches, n_valid)
     balance = step_balance(trainer)
     if balance is not None and balance.counts_first:  # global_batch over several micro-batches
         with torch.no_grad():
@@ -71,42 +73,3 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
         stats |= balance.stats()
     return total, aux_total, stats
 
-
-# -- under pipeline parallelism (titanite/parallel/pipeline.py) ------------------------------
-
-def _loss_sum(trainer: Any, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The last stage's summed cross-entropy: its output itself (the model's loss op), or from
-    its logits (a vocabulary-sharded head, under loss_parallel)."""
-    if not trainer.handle.loss_from_logits:
-        return output
-    from titanite.trainer import cross_entropy_sum
-
-    return distributed.full_tensor(cross_entropy_sum(output, labels))
-
-
-def _pipeline_accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], n_valid: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The step's micro-batches through the pipeline, pp_microbatches per pass."""
-    world, pipe = trainer.world, trainer.pipeline
-    n = pipe.layout.microbatches
-    total = torch.zeros((), device=trainer.device)
-    with world.loss_parallel(), trainer.autocast:
-        for start in range(0, len(batches), n):
-            total = total + pipe.step(batches[start:start + n],
-                                      lambda out, labels: _loss_sum(trainer, out, labels) / n_valid)
-    total = world.all_reduce_sum_loss(world.all_reduce_sum_pp(total))
-    return total, None, {}
-
-
-def pipeline_eval_loss(trainer: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One held-out batch's summed cross-entropy through the pipeline, on every pipeline rank."""
-    world = trainer.world
-    batch = {k: v.to(trainer.device, non_blocking=True) for k, v in batch.items()}
-    with world.loss_parallel(), trainer.autocast:
-        loss = trainer.pipeline.evaluate(batch, lambda out, labels: _loss_sum(trainer, out, labels))
-    return world.all_reduce_sum_pp(loss)
-
-
-def stage_hook(trainer: Any) -> Any:
-    """What each pipeline stage's forward reports (None: nothing for a dense model)."""
-    return None

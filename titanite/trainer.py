@@ -44,7 +44,7 @@ from titanite.parallel.plans import parallelize
 from titanite.preference.objective import build_objective
 from titanite.preflight import Prepared, preflight
 from titanite.runlock import RunLock
-from titanite import lm_objective, run_export
+from titanite import lm_objective, lm_pipeline, run_export
 
 log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
@@ -98,7 +98,7 @@ class Trainer:
         self.step = 0
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
-        self.pipeline = (Pipeline(self.handle, self.world, ready.pipeline, lm_objective.stage_hook(self))
+        self.pipeline = (Pipeline(self.handle, self.world, ready.pipeline, lm_pipeline.stage_hook(self))
                          if ready.pipeline is not None else None)
         parallelize(self.handle, self.world, cfg,  # on the meta device: nothing is allocated yet
                     self.pipeline.parts if self.pipeline is not None else None)
@@ -326,7 +326,7 @@ class Trainer:
         eval.tasks benchmark scores (titanite/harness.py)."""
         def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:  # of whole sequences, on every cp rank
             if self.pipeline is not None:
-                return lm_objective.pipeline_eval_loss(self, b)
+                return lm_pipeline.eval_loss(self, b)
             b = context.split(self.cp, b)
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self.world.loss_parallel(), self._context(b):

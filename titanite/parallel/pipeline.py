@@ -29,6 +29,9 @@ from titanite.parallel.pipeline_layout import PipelineLayout
 
 log = logging.getLogger("titanite")
 
+# after a stage's forward: (its part, its output, the micro-batch's index in the step as an int64
+# [1] device tensor) -> the output to pass on (e.g. with a loss share attached)
+OnForward = Callable[[Part, torch.Tensor, torch.Tensor], torch.Tensor]
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, labels) -> loss sum
 
 
@@ -37,21 +40,19 @@ class StageModule(nn.Module):
     (what a zero-bubble schedule computes weight gradients for) are those of the part's modules;
     the model itself is not a child, so nothing is registered twice."""
 
-    def __init__(self, handle: ModelHandle, part: Part, on_forward: Callable[[Part], None] | None = None) -> None:
+    def __init__(self, handle: ModelHandle, part: Part, on_forward: OnForward | None = None) -> None:
         super().__init__()
         self.__dict__["handle"] = handle  # not a submodule
         self.part = part
         self.on_forward = on_forward
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, micro: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch = {"position_ids": position_ids, "labels": labels}
         if document_ids is not None:
             batch["document_ids"] = document_ids
         out = self.handle.forward_part(x, batch, self.part)
-        if self.on_forward is not None:
-            self.on_forward(self.part)
-        return out
+        return out if self.on_forward is None else self.on_forward(self.part, out, micro)
 
     def part_modules(self) -> list[nn.Module]:
         layers, firsts, lasts = self.handle.pipeline_modules
@@ -79,8 +80,9 @@ class Pipeline:
     for evaluation)."""
 
     def __init__(self, handle: ModelHandle, world: World, layout: PipelineLayout,
-                 on_forward: Callable[[Part], None] | None = None) -> None:
+                 on_forward: OnForward | None = None) -> None:
         self.handle, self.world, self.layout = handle, world, layout
+        self.on_forward = on_forward
         spans = layout.rank_spans(world.pp_rank)
         self.spans = spans
         self.parts = [Part(s.layers, s.first, s.last) for s in spans]
@@ -88,6 +90,7 @@ class Pipeline:
         self.is_last = any(p.last for p in self.parts)
         self._loss_of: LossOf | None = None
         self._train = None
+        self._count = None
         self._eval = None
 
     def _schedule(self, n: int, training: bool):
@@ -111,31 +114,41 @@ class Pipeline:
         return self._loss_of(output, labels)
 
     @staticmethod
-    def _inputs(batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _inputs(batches: list[dict[str, torch.Tensor]], first: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-        kwargs = {"position_ids": whole["position_ids"], "labels": whole["labels"]}
+        ids = whole["input_ids"]
+        micro = torch.arange(first, first + len(batches), device=ids.device)  # split one per micro-batch
+        kwargs = {"position_ids": whole["position_ids"], "labels": whole["labels"], "micro": micro}
         if "document_ids" in whole:
             kwargs["document_ids"] = whole["document_ids"]
-        return whole["input_ids"], kwargs
+        return ids, kwargs
 
-    def step(self, batches: list[dict[str, torch.Tensor]], loss_of: LossOf) -> torch.Tensor:
+    def step(self, batches: list[dict[str, torch.Tensor]], loss_of: LossOf, first: int = 0) -> torch.Tensor:
         """Forward and backward of `batches` (one pass: layout.microbatches of them) on this
         rank's stages; the sum of their losses (`loss_of`, detached) on the last stage, zero on
         the others."""
         if self._train is None:
             self._train = self._schedule(self.layout.microbatches, training=True)
         assert len(batches) == self.layout.microbatches, (len(batches), self.layout.microbatches)
-        return self._run(self._train, batches, loss_of, training=True)
+        return self._run(self._train, batches, loss_of, True, first)
+
+    def forward_only(self, batches: list[dict[str, torch.Tensor]], first: int = 0) -> None:
+        """The forwards of one pass's `batches` through the training schedule, without gradients
+        (what the stages' forwards record is what the training pass will compute)."""
+        if self._count is None:  # its own schedule: one that switched modes would re-infer shapes each time
+            self._count = self._schedule(self.layout.microbatches, training=True)
+        with torch.no_grad():
+            self._run(self._count, batches, lambda out, labels: out.detach().sum(), False, first)
 
     def evaluate(self, batch: dict[str, torch.Tensor], loss_of: LossOf) -> torch.Tensor:
         """The forward of one batch (no gradients); its loss on the last stage, zero elsewhere."""
         if self._eval is None:
             self._eval = self._schedule(1, training=False)
         with torch.no_grad():
-            return self._run(self._eval, [batch], loss_of, training=False)
+            return self._run(self._eval, [batch], loss_of, False, 0)
 
-    def _run(self, schedule, batches, loss_of: LossOf, training: bool) -> torch.Tensor:
-        ids, kwargs = self._inputs(batches)
+    def _run(self, schedule, batches, loss_of: LossOf, training: bool, first_micro: int) -> torch.Tensor:
+        ids, kwargs = self._inputs(batches, first_micro)
         labels = kwargs["labels"]
         losses: list[torch.Tensor] = []
         self._loss_of = loss_of
@@ -146,7 +159,7 @@ class Pipeline:
             if training:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
             else:
-                schedule.eval(*args, target=target, losses=losses, **kwargs)
+                schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         finally:
             self._loss_of = None
         device = self.world.device

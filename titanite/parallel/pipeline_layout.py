@@ -195,6 +195,7 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
         (cfg.training.objective != "lm", f"training.objective = '{cfg.training.objective}'"),
         (p.compile, "parallelism.compile = true"),
         (bool(cfg.eval.tasks), "eval.tasks (lm-evaluation-harness runs the whole model on every rank)"),
+        (bool(cfg.model.moe_bias_update_rate), "model.moe_bias_update_rate"),
     ]
     for bad, what in unsupported:
         if bad:
