@@ -5,7 +5,8 @@ The oracle is transformers' own model run on the step's concatenated global batc
 loss written out here from its router logits (per layer N_E x sum_i f_i p_i, averaged over
 layers): titanite's step over 4 micro-batches gives the same loss, balance loss and every
 gradient (routers included), with and without activation checkpointing, on both backends. Then
-2 ranks x 2 micro-batches (alone, with EP, with cp) equal that single process over 5 steps.
+2 ranks x 2 micro-batches (alone, with EP, with cp) and 2 pipeline stages (with activation
+checkpointing, with EP) equal that single process over 5 steps.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ LAYOUTS = {
     "dp2": (2, {}),
     "dp2_ep2_ac": (2, {"parallelism.ep": 2, "parallelism.activation_checkpoint": "full"}),
     "hf_dp2_cp2": (4, {"model.spec": "hf", "parallelism.cp": 2}),
+    # 2 pipeline stages x 4 micro-batches: each stage trains its layer's share, with the counts of
+    # the other stage's layer (and of every micro-batch) from the counting pass
+    "pp2_ac": (2, {"parallelism.pp": 2, "parallelism.activation_checkpoint": "full"}),
+    "hf_pp2_ep2": (4, {"model.spec": "hf", "parallelism.pp": 2, "parallelism.ep": 2}),
 }
 
 

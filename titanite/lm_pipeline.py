@@ -24,7 +24,7 @@ import torch
 
 from titanite.kernels.routing import RoutingRecord
 from titanite.models.moe_balance import StepBalance, global_balance
-from titanite.models.moe_stats import load_balancing_loss, routing_stats
+from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.stage import Part
 from titanite.parallel import distributed
 
@@ -36,7 +36,8 @@ class _AddToLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
         ctx.term_shape = term.shape
-        return out.view_as(out)
+        # A copy, not a view: the schedule detaches stage outputs in place after their backward.
+        return out.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -75,7 +76,7 @@ class StageBalance:
         into.index_copy_(0, m, row)
 
     def __call__(self, part: Part, out: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        records = self.handle.routing(part.layers)
+        records = pooled(self.handle.routing(part.layers))  # over the cp ranks: the whole sequences'
         if not records:
             return out
         slots = [self.slot[i] for i, _ in records]
@@ -94,8 +95,8 @@ class StageBalance:
             w = self.trainer.world
             term = self.coef * self.experts * (f * probs.sum(0) / (T * L)).sum() / (self.trainer.accum * w.dp_size)
         else:
-            share = global_balance(probs, self.global_counts[slots], self.global_tokens) * len(slots) / L
-            term = self.coef * share
+            term = self.coef * global_balance(probs, self.global_counts[slots], self.global_tokens) * len(slots) / L
+        term = term / self.trainer.world.cp  # every cp rank holds the whole sequences' records: a 1/cp share each
         # Stored, not added up: the schedule's first forward of a micro-batch may be a shape
         # inference run, which the real one then overwrites.
         column = self._parts.setdefault(part.layers.start, len(self._parts))

@@ -98,8 +98,12 @@ class Trainer:
         self.step = 0
         training_state.remove_stale_temporaries(self.ckpt_root)
         resuming = cfg.checkpoint.resume and bool(training_state.list_checkpoints(self.ckpt_root))
-        self.pipeline = (Pipeline(self.handle, self.world, ready.pipeline, lm_pipeline.stage_hook(self))
-                         if ready.pipeline is not None else None)
+        self.pipeline = None
+        if ready.pipeline is not None:
+            self.pipeline = Pipeline(self.handle, self.world, ready.pipeline, lm_pipeline.stage_hook(self),
+                                     self._context if self.cp is not None else None)
+            log.info("pipeline: %s; this rank runs stages %s; bubble %.1f%% in theory", ready.pipeline.describe(),
+                     ready.pipeline.stages_of(self.world.pp_rank), 100 * ready.pipeline.bubble())
         parallelize(self.handle, self.world, cfg,  # on the meta device: nothing is allocated yet
                     self.pipeline.parts if self.pipeline is not None else None)
         self._materialize(ready.weights, resuming)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanite import device as devices
+from titanite.kernels import context_parallel
 
 # Outputs worth keeping under selective checkpointing: the matmuls and attention, whose
 # recomputation costs FLOPs. Everything else in a block (norms, RoPE, SiLU, residual adds) is
@@ -50,7 +51,15 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
 
         @functools.wraps(inner)
         def forward(*args, _inner=inner, _kw=kw, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **_kw, **kwargs)
+            # The recomputation in backward runs under the forward's context-parallel layout:
+            # under pipeline parallelism another micro-batch's may be active by then.
+            layout = context_parallel.current()
+
+            def run(*a, **k):
+                with context_parallel.active(layout):
+                    return _inner(*a, **k)
+
+            return checkpoint(run, *args, use_reentrant=False, **_kw, **kwargs)
 
         block.forward = forward
 

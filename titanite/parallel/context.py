@@ -87,7 +87,8 @@ class ContextParallel:
 
     def layout(self, batch: dict[str, torch.Tensor]) -> context_parallel.Layout:
         """The layout of a split (device) batch."""
-        S = batch["input_ids"].shape[1] * self.cp
+        rows = batch["input_ids"] if "input_ids" in batch else batch["position_ids"]  # a pipeline stage's: no ids
+        S = rows.shape[1] * self.cp
         return context_parallel.Layout(self.collectives, self.cp, self.rank, S, batch.get(FULL_DOCUMENTS))
 
     @contextlib.contextmanager

@@ -16,6 +16,7 @@ over the pipeline ranks (the others add zero), then over the data-parallel ranks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
@@ -32,6 +33,8 @@ log = logging.getLogger("titanite")
 # after a stage's forward: (its part, its output, the micro-batch's index in the step as an int64
 # [1] device tensor) -> the output to pass on (e.g. with a loss share attached)
 OnForward = Callable[[Part, torch.Tensor, torch.Tensor], torch.Tensor]
+# the micro-batch's layout around a stage's forward (context parallelism's), from its tensors
+Context = Callable[[dict[str, torch.Tensor]], contextlib.AbstractContextManager]
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, labels) -> loss sum
 
 
@@ -40,19 +43,20 @@ class StageModule(nn.Module):
     (what a zero-bubble schedule computes weight gradients for) are those of the part's modules;
     the model itself is not a child, so nothing is registered twice."""
 
-    def __init__(self, handle: ModelHandle, part: Part, on_forward: OnForward | None = None) -> None:
+    def __init__(self, handle: ModelHandle, part: Part, on_forward: OnForward | None = None,
+                 context: Context | None = None) -> None:
         super().__init__()
         self.__dict__["handle"] = handle  # not a submodule
         self.part = part
         self.on_forward = on_forward
+        self.context = context
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, micro: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        batch = {"position_ids": position_ids, "labels": labels}
-        if document_ids is not None:
-            batch["document_ids"] = document_ids
-        out = self.handle.forward_part(x, batch, self.part)
-        return out if self.on_forward is None else self.on_forward(self.part, out, micro)
+    def forward(self, x: torch.Tensor, micro: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
+        """x: token ids (first stage) or hidden states; micro: the micro-batch's index in the step
+        ([1]); batch: the micro-batch's other tensors (position_ids, labels, document ids, ...)."""
+        with self.context(batch) if self.context is not None else contextlib.nullcontext():
+            out = self.handle.forward_part(x, batch, self.part)
+            return out if self.on_forward is None else self.on_forward(self.part, out, micro)
 
     def part_modules(self) -> list[nn.Module]:
         layers, firsts, lasts = self.handle.pipeline_modules
@@ -76,38 +80,30 @@ class StageModule(nn.Module):
 
 
 class Pipeline:
-    """This rank's stages and the schedules that run them (one for training, a forward-only one
-    for evaluation)."""
+    """This rank's stages, the schedule that trains them, and a forward-only pass (the MoE
+    counting pass, evaluation)."""
 
     def __init__(self, handle: ModelHandle, world: World, layout: PipelineLayout,
-                 on_forward: OnForward | None = None) -> None:
+                 on_forward: OnForward | None = None, context: Context | None = None) -> None:
         self.handle, self.world, self.layout = handle, world, layout
         self.on_forward = on_forward
         spans = layout.rank_spans(world.pp_rank)
         self.spans = spans
         self.parts = [Part(s.layers, s.first, s.last) for s in spans]
-        self.modules = [StageModule(handle, p, on_forward) for p in self.parts]
+        self.modules = [StageModule(handle, p, on_forward, context) for p in self.parts]
         self.is_last = any(p.last for p in self.parts)
         self._loss_of: LossOf | None = None
         self._train = None
-        self._count = None
-        self._eval = None
 
-    def _schedule(self, n: int, training: bool):
+    def _schedule(self, n: int):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         group = self.world.meshes["pp"].get_group()
         stages = [PipelineStage(m, s.index, s.num_stages, self.world.device, group=group)
                   for m, s in zip(self.modules, self.spans)]
-        name = self.layout.schedule.name
-        if not training:  # forward only: the simplest schedule that runs this placement
-            name = "GPipe" if len(stages) == 1 else "LoopedBFS"
-            if self.layout.schedule.v_shape:
-                name = "ZBVZeroBubble"
-        cls = get_schedule_class(name)
-        kw = {"loss_fn": self._loss, "scale_grads": False}
-        return cls(stages[0] if len(stages) == 1 else stages, n, **kw)
+        cls = get_schedule_class(self.layout.schedule.name)
+        return cls(stages[0] if len(stages) == 1 else stages, n, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert self._loss_of is not None
@@ -118,53 +114,72 @@ class Pipeline:
         whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
         ids = whole["input_ids"]
         micro = torch.arange(first, first + len(batches), device=ids.device)  # split one per micro-batch
-        kwargs = {"position_ids": whole["position_ids"], "labels": whole["labels"], "micro": micro}
-        if "document_ids" in whole:
-            kwargs["document_ids"] = whole["document_ids"]
-        return ids, kwargs
+        return ids, {"micro": micro, **{k: v for k, v in whole.items() if k != "input_ids"}}
 
     def step(self, batches: list[dict[str, torch.Tensor]], loss_of: LossOf, first: int = 0) -> torch.Tensor:
         """Forward and backward of `batches` (one pass: layout.microbatches of them) on this
         rank's stages; the sum of their losses (`loss_of`, detached) on the last stage, zero on
         the others."""
         if self._train is None:
-            self._train = self._schedule(self.layout.microbatches, training=True)
+            self._train = self._schedule(self.layout.microbatches)
         assert len(batches) == self.layout.microbatches, (len(batches), self.layout.microbatches)
-        return self._run(self._train, batches, loss_of, True, first)
+        return self._run(self._train, batches, loss_of, first)
 
-    def forward_only(self, batches: list[dict[str, torch.Tensor]], first: int = 0) -> None:
-        """The forwards of one pass's `batches` through the training schedule, without gradients
-        (what the stages' forwards record is what the training pass will compute)."""
-        if self._count is None:  # its own schedule: one that switched modes would re-infer shapes each time
-            self._count = self._schedule(self.layout.microbatches, training=True)
+    def forward_only(self, batches: list[dict[str, torch.Tensor]], first: int = 0) -> list[torch.Tensor]:
+        """The forwards of `batches` without gradients, stage after stage (each stage runs every
+        micro-batch, then hands them on), under any placement of the stages: what the stages'
+        forwards record is what the training pass will compute. The last stage's outputs on the
+        rank that runs it, else []."""
+        import torch.distributed as dist
+
+        pp_group = self.world.meshes["pp"].get_group()
+        holder = {k: r for r in range(self.layout.pp) for k in self.layout.stages_of(r)}
+        me, device = self.world.pp_rank, self.world.device
+        kept: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
         with torch.no_grad():
-            self._run(self._count, batches, lambda out, labels: out.detach().sum(), False, first)
+            for module, span in sorted(zip(self.modules, self.spans), key=lambda ms: ms[1].index):
+                if span.first:
+                    inputs = [b["input_ids"] for b in batches]
+                elif holder[span.index - 1] == me:
+                    inputs = kept
+                else:
+                    src = dist.get_global_rank(pp_group, holder[span.index - 1])
+                    inputs = [_recv(src, device)[1] for _ in batches]
+                outs = []
+                for i, (x, b) in enumerate(zip(inputs, batches)):
+                    micro = torch.tensor([first + i], device=x.device)
+                    outs.append(module(x, micro, **{k: v for k, v in b.items() if k != "input_ids"}))
+                if span.last:
+                    outputs = outs
+                elif holder[span.index + 1] == me:
+                    kept = outs
+                else:
+                    dst = dist.get_global_rank(pp_group, holder[span.index + 1])
+                    for o in outs:
+                        _send("", o, dst, device)
+        return outputs
 
     def evaluate(self, batch: dict[str, torch.Tensor], loss_of: LossOf) -> torch.Tensor:
         """The forward of one batch (no gradients); its loss on the last stage, zero elsewhere."""
-        if self._eval is None:
-            self._eval = self._schedule(1, training=False)
+        outputs = self.forward_only([batch])
+        if not outputs:
+            return torch.zeros((), device=self.world.device)
         with torch.no_grad():
-            return self._run(self._eval, [batch], loss_of, False, 0)
+            return loss_of(outputs[0], batch["labels"]).detach().float()
 
-    def _run(self, schedule, batches, loss_of: LossOf, training: bool, first_micro: int) -> torch.Tensor:
+    def _run(self, schedule, batches, loss_of: LossOf, first_micro: int) -> torch.Tensor:
         ids, kwargs = self._inputs(batches, first_micro)
-        labels = kwargs["labels"]
         losses: list[torch.Tensor] = []
         self._loss_of = loss_of
-        first = any(p.first for p in self.parts)
-        args = (ids,) if first else ()
-        target = labels if self.is_last else None
+        args = (ids,) if any(p.first for p in self.parts) else ()
+        target = kwargs["labels"] if self.is_last else None
         try:
-            if training:
-                schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-            else:
-                schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         finally:
             self._loss_of = None
-        device = self.world.device
         if not losses:
-            return torch.zeros((), device=device)
+            return torch.zeros((), device=self.world.device)
         return torch.stack([l.detach().float() for l in losses]).sum()
 
 
@@ -221,7 +236,8 @@ def _send(key: str | None, t: torch.Tensor | None, dst: int, device: torch.devic
     header[:3] = torch.tensor([len(name), _DTYPES.index(t.dtype), t.ndim])
     header[3:3 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
     dist.send(header.to(device), dst=dst)
-    dist.send(name.to(device), dst=dst)
+    if len(name):
+        dist.send(name.to(device), dst=dst)
     dist.send(t.contiguous().to(device), dst=dst)
 
 
@@ -234,7 +250,8 @@ def _recv(src: int, device: torch.device) -> tuple[str, torch.Tensor] | None:
     if n < 0:
         return None
     name = torch.zeros(n, dtype=torch.uint8, device=device)
-    dist.recv(name, src=src)
+    if n:
+        dist.recv(name, src=src)
     t = torch.empty([int(v) for v in header[3:3 + ndim].tolist()], dtype=_DTYPES[dtype], device=device)
     dist.recv(t, src=src)
     return bytes(name.cpu().tolist()).decode(), t

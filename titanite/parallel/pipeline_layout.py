@@ -190,7 +190,6 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
         (handle.pipeline_modules is None, f"model.spec = '{handle.backend}' (it cannot be split into stages)"),
         (a.tie_word_embeddings, "tied input and output embeddings (tie_word_embeddings: the first and the last "
                                 "stage would share one matrix)"),
-        (dims.cp > 1, "parallelism.cp > 1"),
         (cfg.lora.enabled, "[lora] enabled"),
         (cfg.training.objective != "lm", f"training.objective = '{cfg.training.objective}'"),
         (p.compile, "parallelism.compile = true"),

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.stage import Part
 from titanite.parallel.mesh import ParallelDims
 
 GiB = 2**30
@@ -122,25 +123,31 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
 
 def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: bool, value_bytes: int,
                      sp: bool = True, extra: Callable[[int, str], float] | None = None,
-                     top_extra: float = 0.0, loss_values: float | None = None) -> tuple[float, float]:
+                     top_extra: float = 0.0, loss_values: float | None = None,
+                     part: Part | None = None) -> tuple[float, float]:
     """(bytes kept for backward at the end of forward, bytes of the one block recomputed in
     backward) for one micro-batch of `tokens` tokens on one rank. `extra(i, mode)` and
     `top_extra`: values per token that block `i` under checkpointing `mode`, and the rest of the
     model, keep on top of (or, negative, below) the full fine-tune's count (LoRA's).
     `loss_values`: what the loss keeps per token, when another objective's loss keeps otherwise
-    than the language model's (DPO's, titanite/plan/preference.py)."""
+    than the language model's (DPO's, titanite/plan/preference.py). `part`: one pipeline stage's
+    share instead of the whole model's (its blocks; the input ids if it is the first, the final
+    norm and the loss if it is the last, else its output, which the stage keeps for its backward)."""
     def block(i: int, mode: str) -> float:
         return layer_activation_elems(a, i, tp, mode, sp) + (extra(i, mode) if extra else 0.0)
 
+    part = part or Part(range(a.num_layers), True, True)
     H = a.hidden_size
     seq = 1 / tp if sp else 1.0
-    per_token = sum(block(i, ac) for i in range(a.num_layers))
+    per_token = sum(block(i, ac) for i in part.layers)
     recompute = 0.0
     if ac != "none":
-        recompute = max(block(i, "none") for i in range(a.num_layers))
-    # final norm (its input, rsqrt, normalised value) and its gathered output; RoPE cos/sin;
-    # input ids (int64).
-    per_token += seq * (2 * H + 1) + H + 2 * a.head_dim + 2 + top_extra
+        recompute = max(block(i, "none") for i in part.layers)
+    per_token += 2 * a.head_dim + (2 if part.first else 0)  # RoPE cos/sin; input ids (int64)
+    if not part.last:
+        return (per_token + seq * H) * tokens * value_bytes, recompute * tokens * value_bytes
+    # final norm (its input, rsqrt, normalised value) and its gathered output
+    per_token += seq * (2 * H + 1) + H + top_extra
     # The loss: the chunked fused loss keeps one fp32 log-sum-exp per token; otherwise the
     # (vocab-sharded) logits and their log-softmax stay alive until backward.
     if loss_values is None:

@@ -21,6 +21,11 @@ Under context parallelism (`parallelism.cp` > 1) each rank holds S / cp tokens o
 sequence: the per-token counts above are for that share, and titanite/plan/context.py counts
 what CP adds (the gathered keys and values, their gradients, the shared attention mask) and the
 bytes its collectives move per step (`Estimate.context`).
+
+Under pipeline parallelism (`parallelism.pp` > 1) titanite/plan/pipeline.py counts each pipeline
+rank's stages: their states, the activations of the micro-batches the schedule keeps in flight
+there, their moments; the estimate is the most loaded rank's, `Estimate.pipeline` holds every
+rank's, the bubble and the point-to-point traffic.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.spec import get_spec
+from titanite.parallel import pipeline_layout
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan.context import ContextShare, add_context, context_share, local_tokens
 from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors,
@@ -40,6 +46,7 @@ from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, laye
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import accumulation_steps, step_phases
+from titanite.plan.pipeline import PipelineShare, pipeline_share
 from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, loss_terms, loss_values,
                                       preference_share, sequences_per_micro_batch)
 from titanite.preflight import check_layout, choose_loss
@@ -60,6 +67,7 @@ class Estimate:
     phases: dict[str, float] = field(default_factory=dict)  # the peak of each moment of a step
     preference: PreferenceShare | None = None  # a DPO run's reference (its bytes are in `phases`, not `params`)
     context: ContextShare | None = None  # context parallelism's buffers (in `phases`) and communication
+    pipeline: PipelineShare | None = None  # pipeline parallelism: every pipeline rank's share (the figures: the worst's)
 
     @property
     def total(self) -> float:
@@ -89,6 +97,11 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     d = ParallelDims.resolve(cfg.parallelism, world_size)
     handle = get_spec(cfg.model.spec).build(cfg.model)
     check_layout(d, handle)
+    layout = pipeline_layout.check(cfg, d, handle, accumulation_steps(cfg, d))
+    if layout is not None and args is not None and args is not handle.args:  # what-if: another architecture's split
+        p = cfg.parallelism
+        layout = pipeline_layout.resolve(d.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), args,
+                                         cfg.data.seq_len, accumulation_steps(cfg, d))
     args = args or handle.args
     if profile is None:
         profile = handle.activation_profile(_planned_loss(cfg, handle, device_memory), d.tp)
@@ -111,8 +124,10 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     base = flops
     if cfg.parallelism.activation_checkpoint == "full":
         flops += base / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
-    if a.num_experts and cfg.model.aux_loss_scope == "global_batch" and accumulation_steps(cfg, d) > 1:
-        flops += base / 3  # the counting forward of every micro-batch (titanite/models/moe_balance.py)
+    if a.num_experts and ((cfg.model.aux_loss_scope == "global_batch" and accumulation_steps(cfg, d) > 1)
+                          or (layout is not None and a.output_router_logits)):
+        # the counting forward of every micro-batch (titanite/models/moe_balance.py, titanite/lm_pipeline.py)
+        flops += base / 3
     if on_gloo is None:
         on_gloo = is_host(pick_device(cfg.job.device))
     block_grads = 0 if cfg.lora.enabled else max(sum(x.numel for x in layer) for layer in layers)  # LoRA's: small
@@ -121,6 +136,11 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers,
                          terms)
     cp = context_share(cfg, a, d, sequences_per_micro_batch(cfg), accumulation_steps(cfg, d), host=on_gloo)
+    if layout is not None:  # the most loaded pipeline rank's figures (titanite/plan/pipeline.py)
+        pipe = pipeline_share(cfg, a, d, layout, tokens, profile, on_gloo, gloo_buffers, flops, cp)
+        w = pipe.worst
+        return Estimate(d, *w.memory, w.flops_per_step, global_tokens, phases=w.phases, context=w.context,
+                        pipeline=pipe)
     phases = add_context(phases, cp)
     share = None
     if dpo:

@@ -48,14 +48,18 @@ def accumulation_steps(cfg: Config, d: ParallelDims) -> int:
 
 def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], tokens: int, keeps_logits: bool,
                 memory: list[float], block_grads: int, on_gloo: bool, gloo_buffers: bool,
-                loss_terms: tuple[float, float] | None = None) -> dict[str, float]:
+                loss_terms: tuple[float, float] | None = None, first: bool = True, last: bool = True,
+                pipelined: bool = False) -> dict[str, float]:
     """The peak bytes per rank at each of a step's heaviest moments (the module docstring says
     what each holds). `tokens`: this rank's tokens of a micro-batch (S / cp of each sequence under
     context parallelism). `top`: the vocabulary matrices as a rank holds them before FSDP; `memory`:
     [params, grads, optimizer, activations, recompute, transient] as estimator._full_memory counts them;
     `block_grads`: the largest block's unsharded gradient elements. `loss_terms`: (what the loss
     keeps, what its backward adds on top), for another objective's loss (DPO's,
-    titanite/plan/preference.py) instead of the language model's below."""
+    titanite/plan/preference.py) instead of the language model's below. `first`, `last`: whether
+    the rank holds the embedding and the head (one pipeline rank may hold neither, titanite/plan/
+    pipeline.py); `pipelined`: a pipeline step, whose earlier micro-batches left gradients behind
+    whatever the accumulation."""
     params, grads, optimizer, kept, recompute, transient = memory
     c = 2 if cfg.training.mixed_precision == "bf16" else 4  # the compute copy and its gradients
     vocab = top[0].numel  # the embedding (and, tied, the head), this rank's tensor-parallel part
@@ -64,23 +68,25 @@ def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], t
     sharded = uses_fsdp(d)
     # untied under FSDP: the head's group gathered for its backward (tied, the head is the root,
     # in `transient`)
-    head = c * vocab if sharded and not a.tie_word_embeddings else 0.0
+    head = c * vocab if sharded and not a.tie_word_embeddings and last else 0.0
+    # head_grad: what the blocks' backward holds of the head's gradient; vocab_end: what the end
+    # of backward holds of the vocabulary matrices' gradients (the embedding's comes last)
     if cfg.lora.enabled:  # the head and the embedding are frozen: no vocabulary gradients
-        first = last = 0.0
+        head_grad = vocab_end = 0.0
     elif not sharded:  # the head's gradient becomes .grad; tied, the embedding's is summed into it
-        first, last = 4 * vocab, (8 * vocab if a.tie_word_embeddings else 0)
+        head_grad, vocab_end = (4 * vocab if last else 0.0), (8 * vocab if a.tie_word_embeddings else 0)
     else:
-        first = c * vocab  # unsharded, until the reduce-scatter
+        head_grad = c * vocab if last else 0.0  # unsharded, until the reduce-scatter
         # The vocabulary matrix's reduce-scatter: its unsharded gradient beside the fp32 input
         # (the output is the shard `grads` counts). gloo clones that input, and its own buffers
         # (outside torch's allocator) take half as much again.
         gloo = 4 * vocab + (2 * vocab if gloo_buffers else 0) if on_gloo else 0
-        last = c * vocab + 4 * vocab + gloo
+        vocab_end = c * vocab + 4 * vocab + gloo if first else 0.0
         if a.tie_word_embeddings:  # before it: the gathered root, the head's and the embedding's
             # gradients and their sum, without the root's shard
-            last = max(last, 4 * c * vocab - 4 * shard)
+            vocab_end = max(vocab_end, 4 * c * vocab - 4 * shard)
         # beside either, the first block's reduce-scatter, still in flight: its input (and gloo's clone)
-        last += (8 if on_gloo else 4) * block_grads
+        vocab_end += (8 if on_gloo else 4) * block_grads
     if keeps_logits and d.tp == 1:
         # kept: the logits and their log-softmax (activation_bytes); in the loss's backward the
         # logits are gone and the log-softmax sits beside its gradient and the NLL's, all fp32
@@ -99,10 +105,12 @@ def step_phases(cfg: Config, a: Qwen3Args, d: ParallelDims, top: list[Tensor], t
         loss = max(8 * chunk, 4 * vocab + max((4 + cast) * chunk, cast * (chunk + vocab)))
     if loss_terms is not None:
         loss_kept, loss = loss_terms
+    if not last:  # a pipeline rank without the head: no loss
+        loss_kept = loss = 0.0
     states = params + optimizer
     # the gradients are None until backward makes them, unless earlier micro-batches left theirs
-    during = states + (grads if accumulation_steps(cfg, d) > 1 else 0.0)
+    during = states + (grads if pipelined or accumulation_steps(cfg, d) > 1 else 0.0)
     return {"loss backward": during + kept + transient + head + loss,
-            "blocks' backward": during + kept - loss_kept + recompute + transient + first,
-            "backward end": states + grads + last,
+            "blocks' backward": during + kept - loss_kept + recompute + transient + head_grad,
+            "backward end": states + grads + vocab_end,
             "optimizer step": params + grads + optimizer}

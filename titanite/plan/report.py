@@ -1,6 +1,8 @@
 """The estimate as `titanite estimate` prints it: the layout, memory per rank part by part and
 phase by phase, FLOPs per step and the time a step takes at the device's peak, and under context
-parallelism the split of each sequence and the CP communication per step."""
+parallelism the split of each sequence and the CP communication per step, and under pipeline
+parallelism the stages, the bubble, each pipeline rank's peak and the point-to-point traffic (the
+memory rows are then the most loaded pipeline rank's)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
         micro = f"{pairs} = {e.preference.sequences} x {cfg.data.seq_len}"
     if e.context is not None:
         micro += f", {e.context.local_tokens} tokens of each per rank"
+    if e.pipeline is not None:
+        w = e.pipeline.worst
+        micro += f"; pp rank {w.pp_rank}'s {w.layers} blocks x {w.in_flight} in flight"
     rows = _state_rows(e) + [
         (f"activations (micro-batch {micro}, checkpointing {cfg.parallelism.activation_checkpoint})",
          e.activations),
@@ -77,16 +82,21 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
     lines = [f"layout: {d.describe()}, mixed precision {cfg.training.mixed_precision}"]
     lines += _lora_line(e, cfg) + _preference_lines(e, cfg)
     lines += [e.context.describe(cfg.data.seq_len)] if e.context is not None else []
-    lines += ["memory per rank:"]
+    lines += e.pipeline.describe() if e.pipeline is not None else []
+    lines += ["memory per rank" + (f" (pp rank {e.pipeline.worst.pp_rank}, the most loaded):"
+                                   if e.pipeline is not None else ":")]
     lines += [f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows]
-    lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} "
-                 f"({e.tokens_per_step} tokens per step over all ranks)")
+    lines.append(f"FLOPs per step per rank: {e.flops_per_step:.3e} ("
+                 + (f"pp rank {e.pipeline.worst.pp_rank}'s stages; " if e.pipeline is not None else "")
+                 + f"{e.tokens_per_step} tokens per step over all ranks)")
     if e.preference is not None and e.preference.live:
         lines[-1] += f", of which the reference's forwards {e.preference.forward_flops_per_step:.3e}"
     if isinstance(peak, str):
         lines.append(f"device peak for MFU: {peak}")
     elif peak is not None:  # the peak the trainer's MFU uses, from the same table or measurement
+        idle = 1 - e.pipeline.layout.bubble() if e.pipeline is not None else 1.0  # the pipeline's busy share
+        busy = e.flops_per_step / idle
         lines.append(f"device peak for MFU: {peak.describe()}; one step takes at least "
-                     f"{e.flops_per_step / peak.flops:.3g} s at that peak, {e.flops_per_step / (0.4 * peak.flops):.3g} s "
-                     "at 40% MFU")
+                     f"{busy / peak.flops:.3g} s at that peak, {busy / (0.4 * peak.flops):.3g} s at 40% MFU"
+                     + (" (with the bubble)" if e.pipeline is not None else ""))
     return "\n".join(lines)
