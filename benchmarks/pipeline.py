@@ -164,7 +164,13 @@ def launch(train_argv: list[str], record: Path, env: dict[str, str], timeout: fl
         return {"error": f"timed out after {timeout:.0f} s", "tail": tail.decode() if isinstance(tail, bytes) else tail}
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}", "tail": proc.stderr[-4000:], "wall": wall}
+        # the ranks' own output, before torchrun's summary of the failure (which names no cause)
+        cut = proc.stderr.rfind('Traceback (most recent call last):\n  File "<frozen runpy>"')
+        ranks_err = proc.stderr[:cut] if cut > 0 else proc.stderr
+        causes = list(dict.fromkeys(line.strip() for line in ranks_err.splitlines()
+                                    if "Error" in line or "error:" in line or "Exception" in line))
+        return {"error": f"exit {proc.returncode}: " + (causes[-1][:300] if causes else "no error line"),
+                "tail": ranks_err[-4000:], "causes": causes[:8], "wall": wall}
     out = Path(next(a.split("=", 1)[1] for a in train_argv if a.startswith("--job.output_dir=")))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     ranks = [json.loads((record / f"rank-{r}.json").read_text()) for r in range(RANKS)]
@@ -175,7 +181,7 @@ def summarize(r: dict, tokens_per_step: int) -> None:
     steady = [x for x in r["rows"] if x["step"] > 1] or r["rows"]
     r["tps"] = statistics.median(x["tokens_per_sec"] for x in steady)
     r["step_s"] = tokens_per_step / r["tps"]
-    r["loss1"], r["loss_last"] = r["rows"][0]["loss"], r["rows"][-1]["loss"]
+    r["losses"] = [x["loss"] for x in r["rows"]]
     r["peaks"] = [x.get("before_save", x["exit"])["VmHWM"] for x in r["ranks"]]
     r["rank0_metrics_rss"] = r["rows"][-1].get("host_peak_rss_gib")
     r["rank_threads"] = [x["threads"] for x in r["ranks"]]
@@ -259,7 +265,7 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
             planner = f"{r['planner']:.1%}"
         print(f"{head} {r['tps']:,.0f} | {ratio} | {max(r['peaks']) / GIB:.2f} | {peaks} | {bubble} | {planner} |")
     print("\nper run: the resolved layout (stages per rank), pass s per rank, pass / step, on-core share of compute "
-          "per rank, the main thread's CPU / wall over the pass per rank, first and last loss, rank 0's metrics "
+          "per rank, the main thread's CPU / wall over the pass per rank, every step's loss, rank 0's metrics "
           "host_peak_rss_gib, launch to exit, load average before:")
     for r in results:
         if "tps" not in r:
@@ -270,11 +276,12 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
                      + f"; pass / step {statistics.mean(r['pass_s']) / r['step_s']:.0%}; on-core "
                      + " / ".join(f"{x:.2f}" for x in r["oncore"]) + "; pass CPU / wall "
                      + " / ".join(f"{x:.2f}" for x in r["pass_cpu"]))
-        print(f"{line}; loss {r['loss1']:.4f} -> {r['loss_last']:.4f}; rank 0 metrics RSS "
+        print(f"{line}; losses " + " ".join(f"{x:.4f}" for x in r["losses"]) + "; rank 0 metrics RSS "
               f"{r['rank0_metrics_rss']} GiB; threads {r['rank_threads']}; {r['wall']:.0f} s; load {r['load']}")
     for r in results:
         if "tail" in r:
-            print(f"\n{r['name']} {r['schedule']} failed ({r['error']}); the last lines:\n{r['tail'][-2500:]}")
+            print(f"\n{r['name']} {r['schedule']} failed ({r['error']}); error lines:\n  " + "\n  ".join(r.get("causes", []))
+                  + f"\nthe ranks' last lines:\n{r['tail'][-2500:]}")
 
 
 def main() -> None:

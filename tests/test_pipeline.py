@@ -1,7 +1,8 @@
 """Pipeline parallelism (titanite/parallel/pipeline.py): every layout against its own
 single-process run of the same config (losses <= 1e-5, grad norms and the MoE balancing loss
 <= 1e-4 relative, the Hugging Face export tensor for tensor), checkpoints resumed across pipeline
-layouts and schedules, evaluation and the MoE statistics under pp, and the refusals.
+layouts and schedules, LoRA (its adapters exported from every stage; its dropout resumed exactly),
+evaluation and the MoE statistics under pp, and the refusals.
 
 The models have 4 layers, so schedules with two stages per rank get one layer per stage on 2
 ranks; untied embeddings (pipeline parallelism refuses tied ones).
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY_MOE, make_hf_checkpoint, read_metrics
-from tests.test_distributed import (args_for, assert_same_export, assert_same_run, data, resume_dir,  # noqa: F401
-                                    single_process, torchrun)
+from tests.test_distributed import (_tensors, args_for, assert_same_export, assert_same_run, data,  # noqa: F401
+                                    resume_dir, single_process, torchrun)
 from titanite.config import load_config
 from titanite.errors import UserError
 from titanite.parallel.pipeline_layout import SCHEDULES, balanced_split
@@ -46,6 +47,9 @@ LAYOUTS = {
     "moe_zbv": ("moe4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble"}),
     "hf_moe_interleaved_zb": ("moe4", 2, {"model.spec": "hf", "parallelism.pp": 2,
                                           "parallelism.pp_schedule": "InterleavedZeroBubble", **GLOBAL}),
+    "lora_zbv": ("dense4", 2, {"lora.enabled": "true", "lora.rank": 4, "parallelism.pp": 2,
+                               "parallelism.pp_schedule": "ZBVZeroBubble"}),
+    "hf_lora_moe": ("moe4", 2, {"model.spec": "hf", "lora.enabled": "true", "lora.rank": 4, "parallelism.pp": 2}),
     "looped_bfs_split": ("dense4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "LoopedBFS",
                                        "parallelism.pp_split": "[1, 1, 1, 1]"}),
     "pp_fsdp_ac": ("dense4", 4, {"parallelism.pp": 2, "parallelism.activation_checkpoint": "selective"}),
@@ -72,7 +76,10 @@ def test_pipeline_layout_matches_single_process(layout, request, tmp_path, data)
     single_process(args_for(hf, data, tmp_path / "ref", 5, **reference))
     proc = torchrun(ranks, args_for(hf, data, tmp_path / "run", 5, **extra))
     assert_same_run(tmp_path / "ref", tmp_path / "run", [1, 2, 3, 4, 5])
-    assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
+    if "lora.enabled" in extra:  # the adapters, gathered from both stages into one peft folder
+        assert_same_tensors(tmp_path / "ref" / "adapter", tmp_path / "run" / "adapter")
+    else:
+        assert_same_export(tmp_path / "ref" / "hf", tmp_path / "run" / "hf")
     assert "pipeline: pp=2" in proc.stderr  # the layout the run really used
     if fixture == "moe4" and ranks == 2:
         # One data-parallel rank: the expert-load statistics cover the same tokens as the
@@ -95,12 +102,32 @@ def test_checkpoints_resume_across_pipeline_layouts(dense4, data, tmp_path):
     one = resume_dir(tmp_path / "pp", 2, tmp_path / "one")
     single_process(args_for(dense4, data, one, 5))
     assert_same_run(tmp_path / "ref", one, [3, 4, 5])
-    zbv = resume_dir(tmp_path / "ref", 4, tmp_path / "zbv")
+    zbv = resume_dir(tmp_path / "ref", 2, tmp_path / "zbv")
     proc = torchrun(2, args_for(dense4, data, zbv, 5, **{"parallelism.pp": 2,
                                                          "parallelism.pp_schedule": "ZBVZeroBubble"}))
     assert "resumed from" in proc.stderr
-    assert_same_run(tmp_path / "ref", zbv, [5])
+    assert_same_run(tmp_path / "ref", zbv, [3, 4, 5])
     assert_same_export(tmp_path / "ref" / "hf", zbv / "hf")
+
+
+def test_lora_dropout_under_pp_resumes_exactly(dense4, data, tmp_path):
+    """Each stage seeds its adapters' dropout from (step, micro-batch, rank, stage): a run
+    resumed from step 2 draws the masks the uninterrupted one drew."""
+    extra = {"lora.enabled": "true", "lora.rank": 4, "lora.dropout": 0.1, "parallelism.pp": 2,
+             "parallelism.pp_schedule": "Interleaved1F1B"}
+    torchrun(2, args_for(dense4, data, tmp_path / "full", 4, **extra, **{"checkpoint.interval": 2,
+                                                                         "checkpoint.keep_latest": 0}))
+    resumed = resume_dir(tmp_path / "full", 2, tmp_path / "resumed")
+    torchrun(2, args_for(dense4, data, resumed, 4, **extra))
+    assert_same_run(tmp_path / "full", resumed, [3, 4])
+    assert_same_tensors(tmp_path / "full" / "adapter", resumed / "adapter")
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    x, y = _tensors(a), _tensors(b)
+    assert x.keys() == y.keys() and x
+    for key in x:
+        assert (x[key] - y[key]).abs().max().item() <= 1e-5, key
 
 
 def test_evaluation_under_pipeline_parallelism(moe4, data, tmp_path):

@@ -75,7 +75,8 @@ class StageBalance:
         row[0, slots] = values
         into.index_copy_(0, m, row)
 
-    def __call__(self, part: Part, out: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    def __call__(self, part: Part, out: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
+        m = micro.to(out.device, non_blocking=True)
         records = pooled(self.handle.routing(part.layers))  # over the cp ranks: the whole sequences'
         if not records:
             return out
@@ -136,6 +137,30 @@ def _loss_sum(trainer: Any, output: torch.Tensor, labels: torch.Tensor) -> torch
     from titanite.trainer import cross_entropy_sum
 
     return distributed.full_tensor(cross_entropy_sum(output, labels))
+
+
+def around_stage(trainer: Any) -> Any:
+    """What runs around each stage's forward: the micro-batch's context-parallel layout, and the
+    LoRA dropout seed of (step, micro-batch, rank, stage) so that a resumed run draws the masks
+    the uninterrupted one drew."""
+    import contextlib
+
+    from titanite import lora
+    from titanite.parallel import context
+
+    dropout = trainer.handle.lora is not None and trainer.cfg.lora.dropout > 0
+    w = trainer.world
+
+    @contextlib.contextmanager
+    def around(part: Part, micro: torch.Tensor, batch: dict[str, torch.Tensor]):
+        if dropout:
+            rank = w.dp_rank * w.cp + (trainer.cp.rank if trainer.cp is not None else 0)
+            torch.manual_seed(lora.dropout_seed(trainer.cfg.job.seed, trainer.step, int(micro[0]), rank,
+                                                part.layers.start))
+        with context.micro_batch(trainer.cp, batch):
+            yield
+
+    return around
 
 
 def stage_hook(trainer: Any) -> StageBalance | None:

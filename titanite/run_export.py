@@ -20,15 +20,41 @@ from titanite.parallel import distributed
 log = logging.getLogger("titanite")
 
 
-def adapter(handle: ModelHandle, cfg: Config, lora_record: dict[str, Any], out: Path, rank: int) -> None:
-    """The adapters in peft's format."""
+def adapter(handle: ModelHandle, cfg: Config, lora_record: dict[str, Any], out: Path, rank: int,
+            world: distributed.World | None = None) -> None:
+    """The adapters in peft's format (under pipeline parallelism rank 0 receives the other
+    stages' factors)."""
     factors = handle.adapter_factors(distributed.full_tensor)  # a collective per target, every rank
+    if world is not None and world.pp > 1:
+        factors = _stage_factors(handle, world, factors)
     if rank == 0:
         lora_adapter.write_adapter(out, factors, handle.lora.cfg, cfg.model.hf_path, lora_record["lora_base"])
         log.info("exported the LoRA adapter (peft format) to %s", out)
     else:
         for _ in factors:
             pass
+
+
+def _stage_factors(handle: ModelHandle, world: distributed.World, factors: Any) -> Any:
+    """Every pipeline stage's (target, A, B) on rank 0, from this stage's `factors`."""
+    from titanite.parallel.pipeline import to_rank_zero
+
+    def pieces(_regions: Any) -> Any:
+        for t, a, b in factors:
+            yield f"{t.key}\n{_A}", a
+            yield f"{t.key}\n{_B}", b
+
+    by_key = {t.key: t for t in handle.lora.all_targets}
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in to_rank_zero(world, pieces):
+        key, which = name.split("\n")
+        if which == _A:
+            pending[key] = tensor
+        else:
+            yield by_key[key], pending.pop(key), tensor
+
+
+_A, _B = "lora_A", "lora_B"
 
 
 def model(handle: ModelHandle, cfg: Config, tokenizer: Tokenizer, out: Path, rank: int, merged: bool = False,

@@ -101,7 +101,7 @@ class Trainer:
         self.pipeline = None
         if ready.pipeline is not None:
             self.pipeline = Pipeline(self.handle, self.world, ready.pipeline, lm_pipeline.stage_hook(self),
-                                     self._context if self.cp is not None else None)
+                                     lm_pipeline.around_stage(self))
             log.info("pipeline: %s; this rank runs stages %s; bubble %.1f%% in theory", ready.pipeline.describe(),
                      ready.pipeline.stages_of(self.world.pp_rank), 100 * ready.pipeline.bubble())
         parallelize(self.handle, self.world, cfg,  # on the meta device: nothing is allocated yet
@@ -109,7 +109,7 @@ class Trainer:
         self._materialize(ready.weights, resuming)
         self.optimizer = build_optimizer(self.model, cfg.training)
         adapters = self.handle.lora
-        self.lora_record = (lora_adapter.run_record(adapters.cfg, adapters.targets, cfg.model.hf_path)
+        self.lora_record = (lora_adapter.run_record(adapters.cfg, adapters.all_targets, cfg.model.hf_path)
                             if adapters else None)
         if resuming:
             path, state = training_state.resume(self.ckpt_root, self.model, self.optimizer)
@@ -374,7 +374,7 @@ class Trainer:
 
     def export_adapter(self, out: Path) -> None:
         """The adapters in peft's format (titanite/lora/adapter.py); every rank takes part."""
-        run_export.adapter(self.handle, self.cfg, self.lora_record, out, self.rank)
+        run_export.adapter(self.handle, self.cfg, self.lora_record, out, self.rank, self.world)
 
     def export(self, out: Path, merged: bool = False) -> None:
         """The Hugging Face folder (with `merged`, a LoRA run's adapters folded in); every rank takes part."""

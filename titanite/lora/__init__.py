@@ -156,11 +156,14 @@ def check_dropout(cfg: LoraConfig, wanted: set[str]) -> None:
                         "refuses it too); set lora.dropout = 0 or leave the experts out of target_modules")
 
 
-def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
+def dropout_seed(seed: int, step: int, micro: int, rank: int, stage: int | None = None) -> int:
     """The seed of every generator (host and device) for one micro-batch's adapter dropout: a
     function of where the run is, not of what ran before, so a resumed run draws the masks the
-    uninterrupted run drew, on any device, and each data-parallel rank draws its own."""
-    return name_seed("titanite-lora-dropout", seed, step, micro, rank)
+    uninterrupted run drew, on any device, and each data-parallel rank draws its own (and, under
+    pipeline parallelism, each stage: its first layer's index)."""
+    if stage is None:
+        return name_seed("titanite-lora-dropout", seed, step, micro, rank)
+    return name_seed("titanite-lora-dropout", seed, step, micro, rank, stage)
 
 
 def draw_a(shape: tuple[int, ...], seed: int, key: str, init: str, rank: int) -> torch.Tensor:

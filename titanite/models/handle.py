@@ -75,7 +75,12 @@ class Lora:
     """A LoRA model's adapters (see titanite/lora)."""
 
     cfg: LoraConfig
-    targets: list[lora.LoraTarget]
+    targets: list[lora.LoraTarget]  # those the module holds (a pipeline stage's: its layers')
+    every: list[lora.LoraTarget] | None = None  # the whole model's, when the module holds fewer
+
+    @property
+    def all_targets(self) -> list[lora.LoraTarget]:
+        return self.every if self.every is not None else self.targets
 
 
 # The module keeps its handle as an attribute: a cycle the garbage collector frees once neither is
@@ -117,6 +122,7 @@ class ModelHandle(ABC):
         self.vocab_parallel = False
         self.lora: Lora | None = None  # set by apply_lora
         self.stage_parts: list[Part] | None = None  # set by keep_parts: the pipeline stages the module holds
+        self._whole: dict[str, Any] = {}  # the whole model's counts, kept by keep_parts
         module.__dict__[_HANDLE_ATTR] = self
 
     # -- what the model is -----------------------------------------------------------------
@@ -130,14 +136,20 @@ class ModelHandle(ABC):
         frozen weights are counted without their weight gradients."""
         if self.lora is None:
             return flops_per_token(self.args, seq_len)
+        linear, experts, first_qkv = self._whole["lora"] if "lora" in self._whole else self._lora_counts()
+        return lora_flops_per_token(self.args, seq_len, linear, experts, first_qkv)
+
+    def _lora_counts(self) -> tuple[int, bool, int]:
         numel = self.module.get_parameter
-        linear = sum(numel(t.a).numel() + numel(t.b).numel() for t in self.lora.targets if not t.experts)
-        first_qkv = sum(numel(t.a).numel() for t in self.lora.targets
+        targets = self.lora.targets
+        linear = sum(numel(t.a).numel() + numel(t.b).numel() for t in targets if not t.experts)
+        first_qkv = sum(numel(t.a).numel() for t in targets
                         if t.key.startswith("model.layers.0.") and t.short_name in ("q_proj", "k_proj", "v_proj"))
-        return lora_flops_per_token(self.args, seq_len, linear, any(t.experts for t in self.lora.targets), first_qkv)
+        return linear, any(t.experts for t in targets), first_qkv
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())
+        """The whole model's parameters (a pipeline stage's module holds fewer)."""
+        return self._whole.get("params") or sum(p.numel() for p in self.module.parameters())
 
     @abstractmethod
     def activation_profile(self, kernels_cfg: KernelsConfig, tp: int) -> ActivationProfile:
@@ -267,8 +279,15 @@ class ModelHandle(ABC):
             from titanite.errors import UserError
 
             raise UserError(f"parallelism.pp > 1: model.spec = '{self.backend}' cannot be split into pipeline stages")
+        self._whole = {"params": self.num_params()}
+        if self.lora is not None:
+            self._whole["lora"] = self._lora_counts()
         keep_parts(self.module, *self.pipeline_modules, parts)
         self.stage_parts = parts
+        if self.lora is not None:  # the adapters of the blocks this rank holds
+            held = {name for name, _ in self.module.named_parameters()}
+            every = self.lora.all_targets
+            self.lora = Lora(self.lora.cfg, [t for t in every if t.a in held], every)
 
     def forward_part(self, x: torch.Tensor, batch: dict[str, torch.Tensor], part: Part) -> torch.Tensor:
         """One pipeline stage's training forward: `x` the micro-batch's input_ids (first stage) or

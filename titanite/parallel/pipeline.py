@@ -33,8 +33,9 @@ log = logging.getLogger("titanite")
 # after a stage's forward: (its part, its output, the micro-batch's index in the step as an int64
 # [1] device tensor) -> the output to pass on (e.g. with a loss share attached)
 OnForward = Callable[[Part, torch.Tensor, torch.Tensor], torch.Tensor]
-# the micro-batch's layout around a stage's forward (context parallelism's), from its tensors
-Context = Callable[[dict[str, torch.Tensor]], contextlib.AbstractContextManager]
+# what runs around a stage's forward: (its part, the micro-batch's index (int64 [1] on the host),
+# the micro-batch's tensors) -> a context (context parallelism's layout, the dropout seed)
+Context = Callable[[Part, torch.Tensor, dict[str, torch.Tensor]], contextlib.AbstractContextManager]
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, labels) -> loss sum
 
 
@@ -54,7 +55,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, micro: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
         """x: token ids (first stage) or hidden states; micro: the micro-batch's index in the step
         ([1]); batch: the micro-batch's other tensors (position_ids, labels, document ids, ...)."""
-        with self.context(batch) if self.context is not None else contextlib.nullcontext():
+        with self.context(self.part, micro, batch) if self.context is not None else contextlib.nullcontext():
             out = self.handle.forward_part(x, batch, self.part)
             return out if self.on_forward is None else self.on_forward(self.part, out, micro)
 
@@ -113,7 +114,7 @@ class Pipeline:
     def _inputs(batches: list[dict[str, torch.Tensor]], first: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
         ids = whole["input_ids"]
-        micro = torch.arange(first, first + len(batches), device=ids.device)  # split one per micro-batch
+        micro = torch.arange(first, first + len(batches))  # split one per micro-batch; on the host
         return ids, {"micro": micro, **{k: v for k, v in whole.items() if k != "input_ids"}}
 
     def step(self, batches: list[dict[str, torch.Tensor]], loss_of: LossOf, first: int = 0) -> torch.Tensor:
@@ -148,7 +149,7 @@ class Pipeline:
                     inputs = [_recv(src, device)[1] for _ in batches]
                 outs = []
                 for i, (x, b) in enumerate(zip(inputs, batches)):
-                    micro = torch.tensor([first + i], device=x.device)
+                    micro = torch.tensor([first + i])
                     outs.append(module(x, micro, **{k: v for k, v in b.items() if k != "input_ids"}))
                 if span.last:
                     outputs = outs

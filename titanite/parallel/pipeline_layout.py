@@ -21,14 +21,14 @@ class Schedule:
     v_shape: bool = False  # rank r runs stages r and 2 pp - 1 - r (else r, r + pp, ...)
     split_backward: bool = False  # input and weight gradients run as separate actions (zero bubble)
 
-    def bubble(self, pp: int, microbatches: int) -> float:
+    def bubble(self, pp: int, microbatches: int, stages_per_rank: int = 0) -> float:
         """The idle share of a step on each rank, in theory, with forward and backward costing
         1 and 2 units per stage and micro-batch: (pp - 1) stage-slots of warm-up and drain over
         v stages per rank. Zero-bubble schedules fill most of it with weight gradients (counted
         as a third of the drain)."""
         if pp == 1:
             return 0.0
-        v = self.stages_per_rank
+        v = stages_per_rank or self.stages_per_rank
         idle = (pp - 1) / v
         if self.split_backward:
             idle /= 3
@@ -113,6 +113,11 @@ class PipelineLayout:
     schedule: Schedule
     microbatches: int  # per pipeline pass
     sizes: tuple[int, ...]  # layers per stage
+    per_rank: int = 0  # stages per pipeline rank (parallelism.pp_stages_per_rank); 0: the schedule's
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.per_rank or self.schedule.stages_per_rank
 
     @property
     def num_stages(self) -> int:
@@ -129,29 +134,35 @@ class PipelineLayout:
         """The stage indices pipeline rank `pp_rank` runs, in order."""
         if self.schedule.v_shape:
             return [pp_rank, 2 * self.pp - 1 - pp_rank]
-        return [pp_rank + k * self.pp for k in range(self.schedule.stages_per_rank)]
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
 
     def rank_spans(self, pp_rank: int) -> list[StageSpan]:
         spans = self.spans()
         return [spans[k] for k in self.stages_of(pp_rank)]
 
     def bubble(self) -> float:
-        return self.schedule.bubble(self.pp, self.microbatches)
+        return self.schedule.bubble(self.pp, self.microbatches, self.stages_per_rank)
 
     def describe(self) -> str:
-        return (f"pp={self.pp}, {self.schedule.name}, {self.num_stages} stages of {list(self.sizes)} layers, "
+        return (f"pp={self.pp}, {self.schedule.name}, {self.num_stages} stages ({self.stages_per_rank} per rank) of {list(self.sizes)} layers, "
                 f"{self.microbatches} micro-batches per pass")
 
 
 def resolve(pp: int, schedule_name: str, microbatches: int, split: list[int], a: Qwen3Args, seq_len: int,
-            step_microbatches: int) -> PipelineLayout:
+            step_microbatches: int, stages_per_rank: int = 0) -> PipelineLayout:
     """The layout `[parallelism]` asks for, checked against the model and the step.
-    step_microbatches: the micro-batches of one optimizer step on each data-parallel rank."""
+    step_microbatches: the micro-batches of one optimizer step on each data-parallel rank;
+    stages_per_rank: parallelism.pp_stages_per_rank (0: the schedule's own)."""
     s = schedule(schedule_name)
-    stages = pp * s.stages_per_rank
+    v = stages_per_rank or s.stages_per_rank
+    if v != s.stages_per_rank and (s.stages_per_rank == 1 or s.v_shape or v < 2):
+        need = "exactly 2" if s.v_shape else ("1" if s.stages_per_rank == 1 else "at least 2")
+        raise UserError(f"config key 'parallelism.pp_stages_per_rank' ({v}): pp_schedule '{s.name}' runs {need} "
+                        "stages per rank; leave it at 0 to take the schedule's")
+    stages = pp * v
     if stages > a.num_layers:
         raise UserError(f"parallelism.pp = {pp} with pp_schedule '{s.name}' makes {stages} stages "
-                        f"({s.stages_per_rank} per rank), more than the model's {a.num_layers} layers; "
+                        f"({v} per rank), more than the model's {a.num_layers} layers; "
                         "lower parallelism.pp or pick a schedule with one stage per rank (1F1B, GPipe)")
     n = microbatches or step_microbatches
     if step_microbatches % n:
@@ -159,21 +170,21 @@ def resolve(pp: int, schedule_name: str, microbatches: int, split: list[int], a:
                         "micro-batches per data-parallel rank (training.global_batch_size / (training.batch_size x "
                         "data-parallel ranks))")
     need = pp if s.name != "GPipe" else 1
-    if n < need or (s.stages_per_rank > 1 and n % pp):
-        what = f"a multiple of parallelism.pp ({pp})" if s.stages_per_rank > 1 else f"at least parallelism.pp ({pp})"
+    if n < need or (v > 1 and n % pp):
+        what = f"a multiple of parallelism.pp ({pp})" if v > 1 else f"at least parallelism.pp ({pp})"
         raise UserError(f"pp_schedule '{s.name}' needs {what} micro-batches per pipeline pass, got {n} "
                         "(parallelism.pp_microbatches, or the step's micro-batches when it is 0: raise "
                         "training.global_batch_size or lower training.batch_size)")
     if split:
         if len(split) != stages or sum(split) != a.num_layers or min(split) < 1:
             raise UserError(f"config key 'parallelism.pp_split' {split} must list {stages} stages' layer counts "
-                            f"(pp {pp} x {s.stages_per_rank} per rank), each at least 1, adding up to the model's "
+                            f"(pp {pp} x {v} per rank), each at least 1, adding up to the model's "
                             f"{a.num_layers} layers")
         sizes = tuple(split)
     else:
         costs, first, last = stage_costs(a, seq_len)
         sizes = tuple(balanced_split(costs, stages, first, last))
-    return PipelineLayout(pp, s, n, sizes)
+    return PipelineLayout(pp, s, n, sizes, stages_per_rank)
 
 
 def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
@@ -190,7 +201,6 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
         (handle.pipeline_modules is None, f"model.spec = '{handle.backend}' (it cannot be split into stages)"),
         (a.tie_word_embeddings, "tied input and output embeddings (tie_word_embeddings: the first and the last "
                                 "stage would share one matrix)"),
-        (cfg.lora.enabled, "[lora] enabled"),
         (cfg.training.objective != "lm", f"training.objective = '{cfg.training.objective}'"),
         (p.compile, "parallelism.compile = true"),
         (bool(cfg.eval.tasks), "eval.tasks (lm-evaluation-harness runs the whole model on every rank)"),
@@ -201,4 +211,4 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
             raise UserError(f"parallelism.pp = {dims.pp} is not supported together with {what} yet; set "
                             "parallelism.pp = 1 or change that setting")
     return resolve(dims.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), a, cfg.data.seq_len,
-                   step_microbatches)
+                   step_microbatches, p.pp_stages_per_rank)

@@ -1,8 +1,10 @@
 """`titanite estimate`: the command line. It picks the world size and the machines planned for
 (this one, or a named accelerator: its MFU peak and its memory), prints the estimate and, with
 --rehearse, the rehearsal beside it, and with --device-memory-gib whether the training peak fits
-(else a layout that would: context, tensor and expert parallel degrees, activation checkpointing;
-rehearse.fitting_layout)."""
+(else a layout that would: pipeline, context, tensor and expert parallel degrees, activation
+checkpointing; rehearse.fitting_layout). Under pipeline parallelism the rehearsal builds the first
+and the last pipeline rank's stages and the most loaded one's, each compared with the estimate of
+its own pipeline rank."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ from titanite.plan.report import report
 
 
 def smallest_world(p: ParallelismConfig) -> int:
-    """The fewest ranks `[parallelism]` lays out on: dp_replicate x dp_shard x cp x tp, where
+    """The fewest ranks `[parallelism]` lays out on: pp x dp_replicate x dp_shard x cp x tp, where
     dp_shard = -1 (the rest of the world) takes the fewest ranks that expert parallelism can
     borrow from it: ep. (A fixed dp_shard that ep does not divide fits no world;
     ParallelDims.resolve says so.)"""
-    return p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else p.ep) * p.cp * p.tp
+    return p.pp * p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else p.ep) * p.cp * p.tp
 
 
 def _named_accelerator(args: argparse.Namespace) -> accelerators.Accelerator | None:
@@ -70,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--world-size", type=int, default=0,
                         help="ranks (nodes x processes per node); default: the smallest world the layout "
-                             "allows (dp_replicate x dp_shard x cp x tp, with dp_shard = -1 taking ep ranks)")
+                             "allows (pp x dp_replicate x dp_shard x cp x tp, with dp_shard = -1 taking ep ranks)")
     parser.add_argument("--rehearse", action="store_true",
                         help="also apply the real parallel plan to the real model on the meta device under a "
                              "fake process group of --world-size ranks and report each rank's shards")
@@ -103,7 +105,9 @@ def main(argv: list[str]) -> int:
     e = estimate(cfg, world, on_gloo=on_gloo, device_memory=memory)
     print(report(e, cfg, peak))
     train_peak = e.total
-    if args.rehearse:
+    if args.rehearse and e.pipeline is not None:
+        train_peak = _rehearse_pipeline(cfg, world, e, args.device_memory_gib)
+    elif args.rehearse:
         figures = rehearse(cfg, world)
         print(rehearsal_report(figures, args.device_memory_gib or None))
         f = max(figures, key=lambda x: x.states + x.reference)
@@ -121,3 +125,21 @@ def main(argv: list[str]) -> int:
         else:
             print(f"  training peak {train_peak / GiB:.1f} GiB fits {args.device_memory_gib:g} GiB")
     return 0
+
+
+def _rehearse_pipeline(cfg: Config, world: int, e, device_gib: float) -> float:
+    """The rehearsal of a pipelined layout: the first rank, the last and the first rank of the most
+    loaded pipeline rank, each against the estimate of its pipeline rank; the training peak with
+    the rehearsed states, the largest over those ranks."""
+    per_pp = world // e.pipeline.layout.pp
+    ranks = sorted({0, world - 1, e.pipeline.worst.pp_rank * per_pp})
+    figures = rehearse(cfg, world, ranks)
+    print(rehearsal_report(figures, device_gib or None))
+    peaks = []
+    for f in figures:
+        r = e.pipeline.ranks[f.pp_rank]
+        params, grads, optimizer = r.memory[:3]
+        print(f"  rank {f.rank} (pp rank {f.pp_rank}) rehearsal / estimate: parameters {f.params / params:.3f}, "
+              f"gradients {f.grads / grads:.3f}, optimizer {f.optimizer / optimizer:.3f}")
+        peaks.append(r.peak - r.states + f.states)
+    return max(peaks)

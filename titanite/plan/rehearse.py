@@ -4,8 +4,11 @@ device under PyTorch's fake process group of N ranks, on this CPU, in seconds.
 Nothing is allocated and nothing is communicated: the model is built on the meta device, every
 parallel style (tensor, expert, FSDP2/HSDP, checkpointing) is applied as training applies it,
 and each rank's figures are read from the parameters the plan leaves it with (their local
-shards, FSDP's padding included). One rehearsal per rank asked for (by default the first and the
-last, where uneven shards differ); a rank is a process-group rank of the fake group.
+shards, FSDP's padding included). Under pipeline parallelism the model is first cut to the
+rank's stages, as training cuts it (the layout preflight resolves; parallelize(..., parts)), so
+the figures are those of the real stages. One rehearsal per rank asked for (by default the first
+and the last, where uneven shards differ, and under pipeline parallelism the first and the last
+pipeline rank); a rank is a process-group rank of the fake group.
 
 Reported per rank, in bytes:
 - parameters (the stored dtype of each local shard), gradients (fp32, trainable shards only),
@@ -38,11 +41,14 @@ from titanite.config import Config, KernelsConfig
 from titanite.config_checks import validate
 from titanite.errors import UserError
 from titanite.models.spec import get_spec
+from titanite.parallel import pipeline_layout
 from titanite.parallel.distributed import World
 from titanite.parallel.mesh import ParallelDims
 from titanite.parallel.plans import parallelize
 from titanite.plan.counts import GiB
 from titanite.plan.estimator import estimate
+from titanite.plan.phases import accumulation_steps
+from titanite.plan.pipeline import rank_parts
 from titanite.preference.reference import reference_model_config
 from titanite.preflight import check_layout
 
@@ -56,6 +62,7 @@ class RankFigures:
     checkpoint_read: int
     startup_peak: int
     reference: int = 0  # a DPO run's second (frozen) model: its parameters' stored bytes
+    pp_rank: int = 0  # its pipeline rank (0 without pipeline parallelism)
 
     @property
     def states(self) -> int:
@@ -72,8 +79,8 @@ def _checkpoint_bytes(cfg: Config) -> int:
 
 
 def _start_up(handle) -> tuple[int, int, int]:
-    """(elements of the HF layout this rank holds, elements of the whole layout, elements of
-    its largest tensor), from the sharded (meta) model."""
+    """(elements of the HF layout this rank holds, elements of the whole layout it holds tensors of,
+    elements of its largest tensor), from the sharded (meta) model."""
     adapter, held, whole, largest, seen = handle.base_adapter(), 0, 0, 0, set()
     for name, t in handle.module.state_dict(keep_vars=True).items():
         if id(t) in seen or adapter.skips(name):
@@ -97,16 +104,19 @@ def rehearse_rank(cfg: Config, world_size: int, rank: int) -> RankFigures:
     if cfg.lora.enabled:
         handle.apply_lora(cfg.lora)
     check_layout(dims, handle)
+    layout = pipeline_layout.check(cfg, dims, handle, accumulation_steps(cfg, dims))
     # Call sites only (which implementation runs changes no parameter): the transformers
     # backend's expert parallelism enters through them.
     handle.attach_kernels(KernelsConfig(), "cpu", torch.float32)
+    whole = _start_up(handle)[1]  # the whole model's layout, before a pipeline rank's cut
     assert not dist.is_initialized(), "a rehearsal needs a process of its own (no process group yet)"
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         meshes = dims.build_meshes("cpu")
         world = World(rank=rank, size=world_size, dp_rank=meshes["dp"].get_local_rank(),
                       dp_size=meshes["dp"].size(), device=torch.device("cpu"), meshes=meshes, dims=dims)
-        parallelize(handle, world, cfg)
+        parts = rank_parts(layout, world.pp_rank) if layout is not None else None
+        parallelize(handle, world, cfg, parts)
         params = grads = 0
         for p in _unique(handle.module.parameters()):
             local = p.to_local() if hasattr(p, "to_local") else p
@@ -116,12 +126,13 @@ def rehearse_rank(cfg: Config, world_size: int, rank: int) -> RankFigures:
             params += stored
             if p.requires_grad:
                 grads += stored // local.element_size() * 4
-        held, whole, largest = _start_up(handle)
+        held, _, largest = _start_up(handle)
         reference = _reference_bytes(cfg, dims, world)
+        pp_rank = world.pp_rank
     finally:
         dist.destroy_process_group()
     read = round(_checkpoint_bytes(cfg) * held / whole) if whole else 0
-    return RankFigures(rank, params, grads, 2 * grads, read, params + reference + 4 * largest, reference)
+    return RankFigures(rank, params, grads, 2 * grads, read, params + reference + 4 * largest, reference, pp_rank)
 
 
 def _reference_bytes(cfg: Config, dims: ParallelDims, world: World) -> int:
@@ -161,27 +172,34 @@ def rehearse(cfg: Config, world_size: int, ranks: list[int] | None = None) -> li
 
 def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: bool | None = None) -> str | None:
     """The first layout of `world_size` ranks whose estimated training peak fits `device_gib`:
-    with the config's activation checkpointing, then with 'full', the fewest ranks per sequence
-    first (context parallel x tensor parallel: 1, 2, 4, ...; context parallelism first at the same
-    product, as its key/value gathers move less than tensor parallelism's activations), cp only
-    where data.seq_len cuts into 2 x cp x tp chunks; then (MoE) expert parallel over the sharded
-    ranks; None when none does."""
+    with the config's activation checkpointing, then with 'full'; at each, the config's pipeline
+    degree, then none, then 2, 4, 8 and 16 pipeline ranks (the config's schedule, balanced stages,
+    the step's micro-batches in one pass); at each, the fewest ranks per sequence first (context
+    parallel x tensor parallel: 1, 2, 4, ...; context parallelism first at the same product, as its
+    key/value gathers move less than tensor parallelism's activations), cp only where data.seq_len
+    cuts into 2 x cp x tp chunks; then (MoE) expert parallel over the sharded ranks; None when none
+    does."""
     moe = bool(_num_experts(cfg))
     split = sorted(((cp, tp) for cp in _powers(world_size) for tp in (1, 2, 4, 8)
                     if cp * tp <= world_size and (cp == 1 or cfg.data.seq_len % (2 * cp * tp) == 0)),
                    key=lambda x: (x[0] * x[1], x[1]))
-    for ac, (cp, tp), ep in itertools.product(dict.fromkeys((cfg.parallelism.activation_checkpoint, "full")), split,
-                                              (1, 2, 4, 8, 16, 32, 64) if moe else (1,)):
+    pps = [pp for pp in dict.fromkeys((cfg.parallelism.pp, 1, 2, 4, 8, 16)) if world_size % pp == 0]
+    for ac, pp, (cp, tp), ep in itertools.product(dict.fromkeys((cfg.parallelism.activation_checkpoint, "full")),
+                                                  pps, split, (1, 2, 4, 8, 16, 32, 64) if moe else (1,)):
         trial = copy.deepcopy(cfg)
         p = trial.parallelism
         p.activation_checkpoint, p.tp, p.cp, p.ep, p.dp_shard, p.dp_replicate = ac, tp, cp, ep, -1, 1
+        if pp != cfg.parallelism.pp:
+            p.pp, p.pp_split, p.pp_microbatches = pp, [], 0
         try:
+            ParallelDims.resolve(p, world_size)  # cheap: degrees that do not divide the world, before a build
             validate(trial)  # LoRA refuses some layouts (lora.dropout with tp > 1), CP others: no answer
             total = estimate(trial, world_size, on_gloo=on_gloo, device_memory=device_gib * GiB).total
         except UserError:  # degrees the config refuses, or that do not divide the world or the model
             continue
         if total / GiB <= device_gib:
-            return (f"dp_shard = {world_size // (cp * tp)}, " + (f"cp = {cp}, " if cp > 1 else "")
+            return ((f"pp = {pp} ({p.pp_schedule}), " if pp > 1 else "")
+                    + f"dp_shard = {world_size // (pp * cp * tp)}, " + (f"cp = {cp}, " if cp > 1 else "")
                     + f"tp = {tp}, ep = {ep}, activation_checkpoint = '{ac}' "
                     f"(estimated training peak {total / GiB:.1f} GiB)")
     return None
@@ -198,11 +216,14 @@ def _num_experts(cfg: Config) -> int:
 
 def report(figures: list[RankFigures], device_gib: float | None) -> str:
     ref = any(f.reference for f in figures)
+    pp = any(f.pp_rank for f in figures)
     lines = ["rehearsal (the real plan on the meta device, fake process group), per rank:",
-             f"  {'rank':>6} {'parameters':>12} {'gradients':>12} {'optimizer':>12} {'states':>12} "
-             + (f"{'reference':>12} " if ref else "") + f"{'reads':>12} {'start-up peak':>14}  (GiB)"]
+             f"  {'rank':>6} " + (f"{'pp rank':>7} " if pp else "") + f"{'parameters':>12} {'gradients':>12} "
+             f"{'optimizer':>12} {'states':>12} " + (f"{'reference':>12} " if ref else "")
+             + f"{'reads':>12} {'start-up peak':>14}  (GiB)"]
     for f in figures:
-        lines.append(f"  {f.rank:>6} {f.params / GiB:12.3f} {f.grads / GiB:12.3f} {f.optimizer / GiB:12.3f} "
+        lines.append(f"  {f.rank:>6} " + (f"{f.pp_rank:>7} " if pp else "")
+                     + f"{f.params / GiB:12.3f} {f.grads / GiB:12.3f} {f.optimizer / GiB:12.3f} "
                      f"{f.states / GiB:12.3f} " + (f"{f.reference / GiB:12.3f} " if ref else "")
                      + f"{f.checkpoint_read / GiB:12.3f} {f.startup_peak / GiB:14.3f}")
     lines.append("  start-up peak: the rank's shards plus the largest on-disk tensor (fp32); reads: the "

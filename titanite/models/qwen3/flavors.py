@@ -46,6 +46,13 @@ FLAVORS: dict[str, Qwen3Args] = {
                            max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=64, norm_topk_prob=True, router_aux_loss_coef=0.001,
                            output_router_logits=True),
+    # Debug MoE with untied embeddings, which pipeline parallelism needs (the embedding and the
+    # head on different stages): configs/qwen3-235b-a22b-pretrain-tiny.toml.
+    "debug-moe-untied": Qwen3Args(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+                                  num_kv_heads=2, head_dim=32, tie_word_embeddings=False,
+                                  max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=64, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                                  output_router_logits=True),
     # Debug MoE with dense layers inside: sparse on every 2nd layer (1, 3) except layer 3.
     "debug-moe-mixed": Qwen3Args(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                  num_kv_heads=2, head_dim=32, tie_word_embeddings=True,
