@@ -31,7 +31,7 @@ from titanite.parallel.pipeline_layout import PipelineLayout
 log = logging.getLogger("titanite")
 
 # after a stage's forward: (its part, its output, the micro-batch's index in the step as an int64
-# [1] device tensor) -> the output to pass on (e.g. with a loss share attached)
+# [1] host tensor) -> the output to pass on (e.g. with a loss share attached)
 OnForward = Callable[[Part, torch.Tensor, torch.Tensor], torch.Tensor]
 # what runs around a stage's forward: (its part, the micro-batch's index (int64 [1] on the host),
 # the micro-batch's tensors) -> a context (context parallelism's layout, the dropout seed)
@@ -127,10 +127,10 @@ class Pipeline:
         return self._run(self._train, batches, loss_of, first)
 
     def forward_only(self, batches: list[dict[str, torch.Tensor]], first: int = 0) -> list[torch.Tensor]:
-        """The forwards of `batches` without gradients, stage after stage (each stage runs every
-        micro-batch, then hands them on), under any placement of the stages: what the stages'
-        forwards record is what the training pass will compute. The last stage's outputs on the
-        rank that runs it, else []."""
+        """The forwards of `batches` without gradients, stage after stage (each stage runs the
+        micro-batches in order, handing each on as it is done), under any placement of the
+        stages: what the stages' forwards record is what the training pass will compute. The
+        last stage's outputs on the rank that runs it, else []."""
         import torch.distributed as dist
 
         pp_group = self.world.meshes["pp"].get_group()
@@ -140,25 +140,28 @@ class Pipeline:
         outputs: list[torch.Tensor] = []
         with torch.no_grad():
             for module, span in sorted(zip(self.modules, self.spans), key=lambda ms: ms[1].index):
-                if span.first:
-                    inputs = [b["input_ids"] for b in batches]
-                elif holder[span.index - 1] == me:
-                    inputs = kept
-                else:
-                    src = dist.get_global_rank(pp_group, holder[span.index - 1])
-                    inputs = [_recv(src, device)[1] for _ in batches]
-                outs = []
-                for i, (x, b) in enumerate(zip(inputs, batches)):
-                    micro = torch.tensor([first + i])
-                    outs.append(module(x, micro, **{k: v for k, v in b.items() if k != "input_ids"}))
+                src = None if span.first or holder[span.index - 1] == me else holder[span.index - 1]
+                dst = None if span.last or holder[span.index + 1] == me else holder[span.index + 1]
+                outs, sending = [], []
+                for i, b in enumerate(batches):
+                    if span.first:
+                        x = b["input_ids"]
+                    elif src is None:  # the previous stage ran on this rank
+                        x = kept[i]
+                    else:
+                        x = _recv(dist.get_global_rank(pp_group, src), device)[1]
+                    out = module(x, torch.tensor([first + i]), **{k: v for k, v in b.items() if k != "input_ids"})
+                    if dst is None:
+                        outs.append(out)
+                    else:
+                        # not waited for here: the next stage may be on a rank that is still sending
+                        # to this one (a looped placement), so a blocking send could deadlock
+                        sending += _send("", out, dist.get_global_rank(pp_group, dst), device, wait=False)
+                for work, _buffer in sending:
+                    work.wait()
+                kept = outs
                 if span.last:
                     outputs = outs
-                elif holder[span.index + 1] == me:
-                    kept = outs
-                else:
-                    dst = dist.get_global_rank(pp_group, holder[span.index + 1])
-                    for o in outs:
-                        _send("", o, dst, device)
         return outputs
 
     def evaluate(self, batch: dict[str, torch.Tensor], loss_of: LossOf) -> torch.Tensor:
@@ -225,21 +228,27 @@ def to_rank_zero(world: World, tensors: Callable[[Callable], Iterator[tuple[str,
                 yield got
 
 
-def _send(key: str | None, t: torch.Tensor | None, dst: int, device: torch.device) -> None:
+def _send(key: str | None, t: torch.Tensor | None, dst: int, device: torch.device, wait: bool = True) -> list:
+    """Send a named tensor (None: the end of a stream) to `dst`: a header, the name, the data.
+    wait=False: the pending sends (each to be waited on; they keep their buffers alive)."""
     import torch.distributed as dist
 
     header = torch.zeros(_HEADER, dtype=torch.int64)
+    parts = [header]
     if key is None:  # the end
         header[0] = -1
-        dist.send(header.to(device), dst=dst)
-        return
-    name = torch.tensor(list(key.encode()), dtype=torch.uint8)
-    header[:3] = torch.tensor([len(name), _DTYPES.index(t.dtype), t.ndim])
-    header[3:3 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
-    dist.send(header.to(device), dst=dst)
-    if len(name):
-        dist.send(name.to(device), dst=dst)
-    dist.send(t.contiguous().to(device), dst=dst)
+    else:
+        name = torch.tensor(list(key.encode()), dtype=torch.uint8)
+        header[:3] = torch.tensor([len(name), _DTYPES.index(t.dtype), t.ndim])
+        header[3:3 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
+        parts += ([name] if len(name) else []) + [t.contiguous()]
+    parts = [p.to(device) for p in parts]
+    works = [(dist.isend(p, dst=dst), p) for p in parts]  # each with its buffer, alive until waited on
+    if wait:
+        for w, _ in works:
+            w.wait()
+        return []
+    return works
 
 
 def _recv(src: int, device: torch.device) -> tuple[str, torch.Tensor] | None:

@@ -136,9 +136,9 @@ class PipelineShare:
         lay, w = self.layout, self.worst
         lines = [f"pipeline: {lay.describe()}, {self.passes} pass{'es' if self.passes > 1 else ''} per step"
                  + (" (after a forward-only counting pass: the MoE balancing loss)" if self.counting else ""),
-                 f"  bubble {100 * lay.bubble():.1f}% of each step (theory: (pp - 1) / v stage-slots of warm-up "
-                 "and drain" + (", a third of it for the zero-bubble schedules" if lay.schedule.split_backward else "")
-                 + ")"]
+                 f"  bubble {100 * lay.bubble():.1f}% of each step, in theory ((pp - 1) / v stage-slots of warm-up "
+                 "and drain" + (", a third of them idle under a zero-bubble schedule" if lay.schedule.split_backward
+                                else "") + f", beside {lay.microbatches} micro-batches)"]
         for r in self.ranks if len(self.ranks) <= 8 else sorted({self.ranks[0], w, self.ranks[-1]},
                                                                  key=lambda x: x.pp_rank):
             lines.append(f"  {r.describe()}: {r.in_flight} micro-batch-stage{'s' if r.in_flight > 1 else ''} in "

@@ -179,7 +179,8 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
     key/value gathers move less than tensor parallelism's activations), cp only where data.seq_len
     cuts into 2 x cp x tp chunks; then (MoE) expert parallel over the sharded ranks; None when none
     does."""
-    moe = bool(_num_experts(cfg))
+    handle = get_spec(cfg.model.spec).build(cfg.model)
+    moe = bool(handle.args.num_experts)
     split = sorted(((cp, tp) for cp in _powers(world_size) for tp in (1, 2, 4, 8)
                     if cp * tp <= world_size and (cp == 1 or cfg.data.seq_len % (2 * cp * tp) == 0)),
                    key=lambda x: (x[0] * x[1], x[1]))
@@ -192,7 +193,9 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
         if pp != cfg.parallelism.pp:
             p.pp, p.pp_split, p.pp_microbatches = pp, [], 0
         try:
-            ParallelDims.resolve(p, world_size)  # cheap: degrees that do not divide the world, before a build
+            # cheap checks first: degrees that do not divide the world, a pipeline the config refuses
+            dims = ParallelDims.resolve(p, world_size)
+            pipeline_layout.check(trial, dims, handle, accumulation_steps(trial, dims))
             validate(trial)  # LoRA refuses some layouts (lora.dropout with tp > 1), CP others: no answer
             total = estimate(trial, world_size, on_gloo=on_gloo, device_memory=device_gib * GiB).total
         except UserError:  # degrees the config refuses, or that do not divide the world or the model
@@ -208,10 +211,6 @@ def fitting_layout(cfg: Config, world_size: int, device_gib: float, on_gloo: boo
 def _powers(n: int) -> list[int]:
     """The powers of 2 that divide n."""
     return [2**i for i in range(n.bit_length()) if n % 2**i == 0]
-
-
-def _num_experts(cfg: Config) -> int:
-    return get_spec(cfg.model.spec).build(cfg.model).args.num_experts or 0
 
 
 def report(figures: list[RankFigures], device_gib: float | None) -> str:

@@ -65,7 +65,8 @@ def report(e: Estimate, cfg: Config, peak: Peak | str | None = None) -> str:
         micro += f", {e.context.local_tokens} tokens of each per rank"
     if e.pipeline is not None:
         w = e.pipeline.worst
-        micro += f"; pp rank {w.pp_rank}'s {w.layers} blocks x {w.in_flight} in flight"
+        micro += (f"; pp rank {w.pp_rank}: {w.in_flight} in flight x a stage of up to "
+                  f"{max(len(p.layers) for p in w.parts)} blocks")
     rows = _state_rows(e) + [
         (f"activations (micro-batch {micro}, checkpointing {cfg.parallelism.activation_checkpoint})",
          e.activations),
