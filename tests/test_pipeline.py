@@ -53,6 +53,9 @@ LAYOUTS = {
     "looped_bfs_split": ("dense4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "LoopedBFS",
                                        "parallelism.pp_split": "[1, 1, 1, 1]"}),
     "pp_fsdp_ac": ("dense4", 4, {"parallelism.pp": 2, "parallelism.activation_checkpoint": "selective"}),
+    # the transformers model's wrapper is the FSDP root under pp (the stages enter through it)
+    "hf_pp_hsdp_ac": ("dense4", 4, {"model.spec": "hf", "parallelism.pp": 2, "parallelism.dp_replicate": 2,
+                                    "parallelism.activation_checkpoint": "full"}),
     "hf_pp_tp": ("dense4", 4, {"model.spec": "hf", "parallelism.pp": 2, "parallelism.tp": 2}),
     "pp_tp": ("dense4", 4, {"parallelism.pp": 2, "parallelism.tp": 2,
                             "parallelism.pp_schedule": "Interleaved1F1B"}),

@@ -63,7 +63,10 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
         groups: list = blocks if tied else fsdp_groups(hf.model.embed_tokens, blocks, [hf.model.norm, hf.lm_head])
         # The transformers model is the FSDP root, not the wrapper: every forward (plain or
         # forward_train's `run`) enters through its __call__, where FSDP gathers the root group.
-        shard_model(hf, groups, world, cfg.training.mixed_precision, expert_params)
+        # A pipeline stage runs its part through the wrapper's call instead, so there the
+        # wrapper is the root.
+        root = model if handle.stage_parts is not None else hf
+        shard_model(root, groups, world, cfg.training.mixed_precision, expert_params)
 
 
 def _has(root: nn.Module, name: str) -> bool:
