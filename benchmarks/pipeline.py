@@ -52,10 +52,16 @@ Measured per run:
   the details give each rank's on-core share of its compute (thread CPU time / wall time
   inside the actions, 1.0 on an idle core) to size that. And the planner assumes equal
   stages, while the first stage adds the embedding and the last the norm, head and loss.
+- tokens / CPU-s: the step's tokens over the CPU seconds the 4 ranks spent in it together
+  (process_time of `Trainer.train_step` on every rank, summed; the median over the steps after
+  the first): what a step costs the machine, which neither the oversubscription nor another
+  job's load on the cores changes much (a rank waiting in the bubble or on a transfer sleeps,
+  it does not spin: see the details' pass CPU / wall). On an idle 2-core machine tokens/s is
+  at most 2 x this;
 - pass / step: the share of the step's wall time (4,096 / tokens/s) the pipeline pass takes
   (the rest: the data, the gradient clipping over the stages, the optimizer).
 
-    .venv/bin/python benchmarks/pipeline.py            # every layout and schedule (~5 min on 2 cores)
+    .venv/bin/python benchmarks/pipeline.py            # every layout and schedule (~6-7 min on 2 cores)
     .venv/bin/python benchmarks/pipeline.py --quick    # FSDP and pp = 2 1F1B, 2 steps (~1-2 min)
     .venv/bin/python benchmarks/pipeline.py --pps 2 --schedules 1F1B ZBVZeroBubble --steps 5
 """
@@ -185,6 +191,13 @@ def summarize(r: dict, tokens_per_step: int) -> None:
     r["peaks"] = [x.get("before_save", x["exit"])["VmHWM"] for x in r["ranks"]]
     r["rank0_metrics_rss"] = r["rows"][-1].get("host_peak_rss_gib")
     r["rank_threads"] = [x["threads"] for x in r["ranks"]]
+    # CPU seconds of the 4 ranks together per step (by step number: every rank runs every step)
+    cpu = {}
+    for x in r["ranks"]:
+        for st in x["steps"]:
+            cpu[st["step"]] = cpu.get(st["step"], 0.0) + st["cpu_s"]
+    r["cpu_step"] = statistics.median([c for k, c in cpu.items() if k > 1] or list(cpu.values()))
+    r["tpcpu"] = tokens_per_step / r["cpu_step"]
     if r["pp"] == 1:
         return
     layout = r["ranks"][0]["layout"]
@@ -246,15 +259,15 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
               "exact.")
     print(f"floor (a process that only imports titanite.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB")
     fsdp = next((r["tps"] for r in results if r["pp"] == 1 and "tps" in r), None)
-    print("\n| layout | schedule | micro-batches | tokens/s | vs FSDP | peak RSS max GiB | peak RSS per rank GiB "
-          "| measured bubble (mean; per rank) | planner bubble |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |")
+    print("\n| layout | schedule | micro-batches | tokens/s | vs FSDP | tokens / CPU-s | peak RSS max GiB "
+          "| peak RSS per rank GiB | measured bubble (mean; per rank) | planner bubble |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |")
     for r in results:
         mb = r.get("microbatches", "?")
         mb = f"{mb} per rank" if r["pp"] == 1 else f"{mb} per pass"
         head = f"| {r['name']} | {r['schedule']} | {mb} |"
         if "tps" not in r:
-            print(f"{head} {r['error']} | | | | | |")
+            print(f"{head} {r['error']} | | | | | | |")
             continue
         ratio = f"{r['tps'] / fsdp:.2f}" if fsdp else "-"
         peaks = " / ".join(f"{p / GIB:.2f}" for p in r["peaks"])
@@ -263,14 +276,14 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
         else:
             bubble = f"{r['bubble']:.1%}; " + " / ".join(f"{b:.0%}" for b in r["bubbles"])
             planner = f"{r['planner']:.1%}"
-        print(f"{head} {r['tps']:,.0f} | {ratio} | {max(r['peaks']) / GIB:.2f} | {peaks} | {bubble} | {planner} |")
+        print(f"{head} {r['tps']:,.0f} | {ratio} | {r['tpcpu']:,.0f} | {max(r['peaks']) / GIB:.2f} | {peaks} | {bubble} | {planner} |")
     print("\nper run: the resolved layout (stages per rank), pass s per rank, pass / step, on-core share of compute "
           "per rank, the main thread's CPU / wall over the pass per rank, every step's loss, rank 0's metrics "
           "host_peak_rss_gib, launch to exit, load average before:")
     for r in results:
         if "tps" not in r:
             continue
-        line = f"  {r['name']} {r['schedule']}: step {r['step_s']:.2f} s"
+        line = f"  {r['name']} {r['schedule']}: step {r['step_s']:.2f} s, {r['cpu_step']:.2f} CPU-s (4 ranks)"
         if r["pp"] > 1:
             line += (f"; {r['describe']}; stages {r['stages']}; pass s " + " / ".join(f"{s:.2f}" for s in r["pass_s"])
                      + f"; pass / step {statistics.mean(r['pass_s']) / r['step_s']:.0%}; on-core "

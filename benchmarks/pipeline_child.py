@@ -11,6 +11,8 @@
   module or its autograd graph; the schedule waits for the neighbours' activations or
   gradients before calling them, so a wait is never inside one). Wall time (perf_counter) and
   the main thread's CPU time (thread_time, with one intra-op thread the compute's) of each;
+- every training step's wall time and the process's CPU time (process_time: every thread's,
+  the communication library's included);
 - the layout the trainer resolved: `PipelineLayout.describe()`, `.bubble()` (the planner's
   theoretical idle share), its micro-batches per pass and the stages this rank runs.
 
@@ -46,7 +48,7 @@ def rank(argv: list[str]) -> None:
 
     from titanite.parallel import pipeline as pipeline_module
 
-    marks: dict = {"passes": [], "layout": None}
+    marks: dict = {"passes": [], "steps": [], "layout": None}
     current: dict = {"step": 0, "pass": None}
 
     # -- the steps: which step a pass belongs to -------------------------------------------
@@ -54,7 +56,12 @@ def rank(argv: list[str]) -> None:
 
     def marked_step(self, *a, **kw):
         current["step"] = self.step + 1
-        return train_step(self, *a, **kw)
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            return train_step(self, *a, **kw)  # on a CPU every op has run when it returns
+        finally:
+            marks["steps"].append({"step": current["step"], "wall_s": time.perf_counter() - w,
+                                   "cpu_s": time.process_time() - c})
 
     titanite.trainer.Trainer.train_step = marked_step
 

@@ -45,6 +45,7 @@ LAYOUTS = {
     "interleaved_ac": ("dense4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "Interleaved1F1B",
                                      "parallelism.activation_checkpoint": "full"}),
     "moe_zbv": ("moe4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble"}),
+    "moe_dualpipev": ("moe4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "DualPipeV", **GLOBAL}),
     "hf_moe_interleaved_zb": ("moe4", 2, {"model.spec": "hf", "parallelism.pp": 2,
                                           "parallelism.pp_schedule": "InterleavedZeroBubble", **GLOBAL}),
     "lora_zbv": ("dense4", 2, {"lora.enabled": "true", "lora.rank": 4, "parallelism.pp": 2,
@@ -160,6 +161,10 @@ BAD = [
     ({"parallelism.pp": 2, "parallelism.pp_schedule": "Interleaved1F1B", "parallelism.pp_microbatches": 3,
       "training.global_batch_size": 6}, 2, r"needs a multiple of parallelism.pp \(2\) micro-batches"),
     ({"parallelism.pp": 2, "parallelism.pp_microbatches": 3}, 2, r"'parallelism.pp_microbatches' \(3\) must divide"),
+    ({"parallelism.pp": 2, "parallelism.pp_schedule": "DualPipeV", "parallelism.pp_microbatches": 2}, 2,
+     r"'DualPipeV' needs at least one per stage \(4\), in multiples of parallelism.pp \(2\), micro-batches"),
+    ({"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble", "parallelism.pp_stages_per_rank": 3}, 2,
+     r"'parallelism.pp_stages_per_rank' \(3\): pp_schedule 'ZBVZeroBubble' runs exactly 2 stages per rank"),
     ({"parallelism.pp": 2, "parallelism.pp_split": "[3, 2]"}, 2, r"pp_split' \[3, 2\] must list 2 stages"),
     ({"parallelism.pp_split": "[2, 2]"}, 1, r"pp_split' \[2, 2\] is set but parallelism.pp = 1"),
 ]

@@ -153,14 +153,16 @@ def test_each_pipeline_rank_states_are_its_real_stages(layout):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_stage_activations_add_up_to_the_whole_model(ac, tp):
     """Under 1F1B each rank runs one stage; a micro-batch's activations over the stages are the
-    whole model's without pipelining, plus each non-last stage's output, held for its backward."""
+    whole model's without pipelining, plus, at each of the 3 stage boundaries, the output the
+    earlier stage holds for its backward and the RoPE tables the later stage builds for itself."""
     extra = {"parallelism.activation_checkpoint": ac, "parallelism.tp": tp, "training.global_batch_size": 8}
     piped = estimate(_cfg({**extra, "parallelism.pp": 4}), 4 * tp, on_gloo=False)
     whole = estimate(_cfg(extra), tp, on_gloo=False)
     ranks = piped.pipeline.ranks
     assert [r.in_flight for r in ranks] == [4, 3, 2, 1]
     per_micro_batch = sum(r.memory[3] / r.in_flight for r in ranks)
-    assert per_micro_batch == pytest.approx(whole.activations + 3 * piped.pipeline.boundary, rel=1e-12)
+    rope = 2 * get_flavor("debug-moe-untied").head_dim * 64 * 4  # cos and sin, 64 tokens, fp32
+    assert per_micro_batch == pytest.approx(whole.activations + 3 * (piped.pipeline.boundary + rope), rel=1e-12)
     assert max(r.memory[4] for r in ranks) == pytest.approx(whole.recompute, rel=1e-12)
 
 
@@ -181,13 +183,16 @@ def test_point_to_point_bytes(flavor, tp, counting):
 def test_the_estimate_command_reports_the_pipeline(capsys):
     args = ["estimate", "--model.flavor=debug-moe-untied", "--data.seq_len=64", "--training.batch_size=1",
             "--training.global_batch_size=8", "--parallelism.pp=2", "--world-size", "4", "--rehearse"]
-    assert cli_main(args) == 0
+    assert cli_main([*args, "--parallelism.pp_microbatches=2"]) == 0
     out = capsys.readouterr().out
+    sizes = list(estimate(load_config(None, [a for a in args[1:] if a.startswith("--") and "=" in a]), 4
+                          ).pipeline.layout.sizes)
     assert "layout: 4 ranks (pp=2, dp_replicate=1, dp_shard=2, tp=1, ep=1)" in out
-    assert "pipeline: pp=2, 1F1B, 2 stages of [2, 2] layers, 4 micro-batches per pass, 2 passes per step" in out
-    assert "bubble 20.0% of each step" in out  # (2 - 1) / (4 + 2 - 1)
-    assert "pp rank 0: stage 0 (layers 0-1, embedding): 2 micro-batch-stages in flight" in out
-    assert "pp rank 1: stage 1 (layers 2-3, norm + head): 1 micro-batch-stage in flight" in out
+    assert (f"pipeline: pp=2, 1F1B, 2 stages (1 per rank) of {sizes} layers, 2 micro-batches per pass, 2 passes "
+            "per step (after a forward-only counting pass: the MoE balancing loss)") in out
+    assert "bubble 33.3% of each step" in out  # (2 - 1) / (2 + 2 - 1)
+    assert f"pp rank 0: stage 0 (layers 0-{sizes[0] - 1}, embedding): 2 micro-batch-stages in flight" in out
+    assert f"pp rank 1: stage 1 (layer 3, norm + head): 1 micro-batch-stage in flight" in out
     for rank, pp_rank in ((0, 0), (3, 1)):
         assert f"rank {rank} (pp rank {pp_rank}) rehearsal / estimate: parameters 1.000, gradients 1.000, " \
                "optimizer 1.000" in out
@@ -219,8 +224,12 @@ def test_the_pretrain_config_fits_80gb_on_its_world(pretrain_folder):
 
 
 def test_the_tiny_twin_is_the_pretrain_config_on_two_ranks():
+    """Same sections and keys (the architecture from a flavor instead of a config.json folder);
+    pp = 2 with the same schedule, the balancing loss over the global batch, trained."""
     full, tiny = (tomllib.loads(p.read_text()) for p in (PRETRAIN, PRETRAIN_TINY))
+    tiny["model"]["hf_path"] = tiny["model"].pop("flavor")
     assert {s: sorted(t) for s, t in full.items()} == {s: sorted(t) for s, t in tiny.items()}
+    tiny["model"]["flavor"] = tiny["model"].pop("hf_path")
     assert tiny["parallelism"]["pp"] == 2 and tiny["parallelism"]["pp_schedule"] == full["parallelism"]["pp_schedule"]
     assert tiny["model"]["aux_loss_scope"] == "global_batch" and get_flavor(tiny["model"]["flavor"]).output_router_logits
     cfg = load_config(str(PRETRAIN_TINY), [])

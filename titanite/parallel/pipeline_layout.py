@@ -42,6 +42,7 @@ SCHEDULES = {s.name: s for s in (
     Schedule("LoopedBFS", 2),
     Schedule("InterleavedZeroBubble", 2, split_backward=True),
     Schedule("ZBVZeroBubble", 2, v_shape=True, split_backward=True),
+    Schedule("DualPipeV", 2, v_shape=True, split_backward=True),
 )}
 
 
@@ -169,9 +170,11 @@ def resolve(pp: int, schedule_name: str, microbatches: int, split: list[int], a:
         raise UserError(f"config key 'parallelism.pp_microbatches' ({n}) must divide the step's {step_microbatches} "
                         "micro-batches per data-parallel rank (training.global_batch_size / (training.batch_size x "
                         "data-parallel ranks))")
-    need = pp if s.name != "GPipe" else 1
+    need = {"GPipe": 1, "DualPipeV": stages}.get(s.name, pp)
     if n < need or (v > 1 and n % pp):
         what = f"a multiple of parallelism.pp ({pp})" if v > 1 else f"at least parallelism.pp ({pp})"
+        if need > pp:
+            what = f"at least one per stage ({need}), in multiples of parallelism.pp ({pp}),"
         raise UserError(f"pp_schedule '{s.name}' needs {what} micro-batches per pipeline pass, got {n} "
                         "(parallelism.pp_microbatches, or the step's micro-batches when it is 0: raise "
                         "training.global_batch_size or lower training.batch_size)")

@@ -111,7 +111,10 @@ class RankShare:
         return sum(self.memory[:3])
 
     def describe(self) -> str:
-        spans = ", ".join(f"{k} (layers {p.layers.start}-{p.layers.stop - 1}{', embedding' if p.first else ''}"
+        def blocks(r: range) -> str:
+            return f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"
+
+        spans = ", ".join(f"{k} ({blocks(p.layers)}{', embedding' if p.first else ''}"
                           f"{', norm + head' if p.last else ''})" for k, p in zip(self.stages, self.parts))
         return f"pp rank {self.pp_rank}: stage{'s' if len(self.parts) > 1 else ''} {spans}"
 
@@ -145,10 +148,14 @@ class PipelineShare:
                          f"flight, states {r.states / GiB:.2f} GiB, peak {r.peak / GiB:.2f} GiB"
                          + (" (the most loaded)" if r is w else ""))
         busiest = max(self.ranks, key=lambda r: r.p2p_bytes)
-        lines.append(f"  point to point: {self.boundary / 2**20:.2f} MiB per micro-batch and stage boundary each "
-                     f"way (hidden states forward, their gradients backward); {busiest.p2p_bytes / GiB:.3f} GiB "
-                     f"sent (and as much received) per step by the busiest rank (pp rank {busiest.pp_rank})")
+        lines.append(f"  point to point: {_size(self.boundary)} per micro-batch and stage boundary each way (hidden "
+                     f"states forward, their gradients backward); {_size(busiest.p2p_bytes)} sent (and as much "
+                     f"received) per step by the busiest rank (pp rank {busiest.pp_rank})")
         return lines
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 def rank_parts(layout: PipelineLayout, pp_rank: int) -> list[Part]:
