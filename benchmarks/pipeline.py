@@ -15,9 +15,9 @@ all: seq_len 256, batch_size 1, global_batch_size 16 (16 sequences, 4,096 tokens
 - pp = 2: 2 pipeline stages (ranks) x dp_shard 2, 8 micro-batches per pipeline pass;
 - pp = 4: 4 stages x dp_shard 1, 16 micro-batches per pass;
 
-each schedule of --schedules (default all six: 1F1B and GPipe with a stage per rank;
-Interleaved1F1B, LoopedBFS, InterleavedZeroBubble and ZBVZeroBubble with 2 stages per rank, so
-2 pp stages of 8 / (2 pp) layers) at `pp_microbatches = 0` (the whole step in one pass),
+each schedule of --schedules (default: every one titanite.parallel.pipeline_layout.SCHEDULES
+lists; 1F1B and GPipe run a stage per rank, the others 2, so 2 pp stages of 8 / (2 pp) layers)
+at `pp_microbatches = 0` (the whole step in one pass),
 the stages split by the planner's balanced split (`pp_split` empty). OMP_NUM_THREADS = 1 on
 every rank: 4 ranks on this machine's cores. On a 2-core machine the 4 ranks are
 oversubscribed (2 ranks a core): the throughput is not a per-core figure, and a rank that
@@ -61,7 +61,7 @@ Measured per run:
 - pass / step: the share of the step's wall time (4,096 / tokens/s) the pipeline pass takes
   (the rest: the data, the gradient clipping over the stages, the optimizer).
 
-    .venv/bin/python benchmarks/pipeline.py            # every layout and schedule (~6-7 min on 2 cores)
+    .venv/bin/python benchmarks/pipeline.py            # every layout and schedule (~7-8 min on 2 cores)
     .venv/bin/python benchmarks/pipeline.py --quick    # FSDP and pp = 2 1F1B, 2 steps (~1-2 min)
     .venv/bin/python benchmarks/pipeline.py --pps 2 --schedules 1F1B ZBVZeroBubble --steps 5
 """
@@ -301,8 +301,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="FSDP and pp 2 with 1F1B, 2 steps")
     p.add_argument("--pps", type=int, nargs="+", default=[2, 4], choices=[2, 4])
-    p.add_argument("--schedules", nargs="+", default=["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
-                                                      "InterleavedZeroBubble", "ZBVZeroBubble"])
+    p.add_argument("--schedules", nargs="+", default=None,
+                   help="pipeline schedules to run (default: every one titanite.parallel.pipeline_layout lists)")
     p.add_argument("--steps", type=int, default=6, help="training steps per run (the first is not reported)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per torchrun job")
     p.add_argument("--seq-len", type=int, default=256)
@@ -316,6 +316,11 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args()
+    if args.schedules is None:
+        sys.path.insert(0, str(REPO))
+        from titanite.parallel.pipeline_layout import SCHEDULES
+
+        args.schedules = list(SCHEDULES)
     if args.quick:
         args.pps, args.schedules, args.steps = [2], ["1F1B"], 2
     print(machine())

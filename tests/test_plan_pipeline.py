@@ -24,7 +24,7 @@ from titanite.cli import main as cli_main
 from titanite.config import load_config
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
-from titanite.parallel.pipeline_layout import SCHEDULES, PipelineLayout, balanced_split, resolve, stage_costs
+from titanite.parallel.pipeline_layout import SCHEDULES, PipelineLayout, balanced_split, stage_costs
 from titanite.plan import estimate
 from titanite.plan.counts import GiB
 from titanite.plan.pipeline import in_flight
@@ -56,28 +56,38 @@ def _schedule_order(layout: PipelineLayout) -> dict[int, list]:
 
 def _most_held(actions: list) -> int:
     """Walk one rank's actions: a micro-batch's activations on a stage live from its forward to its
-    full backward, or to its weight-gradient step where the backward is split."""
+    full backward, or to its weight-gradient step where the backward is split; a forward overlapped
+    with a backward (one action of two) runs beside it."""
     held = most = 0
-    for a in actions:
-        if a is None:
-            continue
-        kind = a.computation_type
+
+    def act(a) -> None:
+        nonlocal held, most
+        for sub in a.sub_actions or ():
+            act(sub)
         held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1,
-                 _ComputationType.BACKWARD_WEIGHT: -1}.get(kind, 0)
+                 _ComputationType.BACKWARD_WEIGHT: -1}.get(a.computation_type, 0)
         most = max(most, held)
+
+    for a in actions:
+        if a is not None:
+            act(a)
     return most
 
 
-CASES = [(name, pp, n) for name in SCHEDULES for pp in (2, 3, 4, 8) for n in (pp, pp + 1, 2 * pp, 3 * pp)
-         if SCHEDULES[name].stages_per_rank == 1 or n % pp == 0]
+def _cases():
+    for name, s in SCHEDULES.items():
+        looped = s.stages_per_rank > 1 and not s.v_shape
+        for v, pp in itertools.product((s.stages_per_rank, 3) if looped else (s.stages_per_rank,), (2, 3, 4, 8)):
+            for n in (pp, pp + 1, 2 * pp, 3 * pp):
+                if (v == 1 or n % pp == 0) and (name != "DualPipeV" or n >= 2 * pp) and v * pp <= 24:
+                    yield name, v, pp, n
 
 
-@pytest.mark.parametrize("name,pp,n", CASES)
-def test_in_flight_is_what_the_schedule_order_holds(name, pp, n):
-    s = SCHEDULES[name]
-    layout = PipelineLayout(pp, s, n, (1,) * (pp * s.stages_per_rank))
+@pytest.mark.parametrize("name,v,pp,n", list(_cases()))
+def test_in_flight_is_what_the_schedule_order_holds(name, v, pp, n):
+    layout = PipelineLayout(pp, SCHEDULES[name], n, (1,) * (pp * v), v)
     order = _schedule_order(layout)
-    assert [in_flight(s, pp, n, r) for r in range(pp)] == [_most_held(order[r]) for r in range(pp)]
+    assert [in_flight(layout, r) for r in range(pp)] == [_most_held(order[r]) for r in range(pp)]
 
 
 # -- the bubble and the split ----------------------------------------------------------------------
@@ -127,15 +137,27 @@ REHEARSED = {
     "pp 2 zbv x hsdp 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble",
                               "parallelism.dp_replicate": 2}),
     "pp 4 gpipe x fsdp 2": (8, {"parallelism.pp": 4, "parallelism.pp_schedule": "GPipe"}),
+    "pp 2 dualpipev x fsdp 2 + ep 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "DualPipeV",
+                                           "parallelism.ep": 2}),
+    "pp 2 lora x fsdp 2": (4, {"parallelism.pp": 2, "lora.enabled": "true", "lora.rank": 4}),
 }
 
 
+@pytest.fixture(scope="module")
+def untied_moe(tmp_path_factory):
+    """The debug-moe-untied flavor as a config.json folder (LoRA adapts a model.hf_path)."""
+    folder = tmp_path_factory.mktemp("debug-moe-untied")
+    (folder / "config.json").write_text(json.dumps(to_hf_config(get_flavor("debug-moe-untied"))))
+    return folder
+
+
 @pytest.mark.parametrize("layout", REHEARSED)
-def test_each_pipeline_rank_states_are_its_real_stages(layout):
+def test_each_pipeline_rank_states_are_its_real_stages(layout, untied_moe):
     """Parameters, gradients and optimizer state of every pipeline rank, to the byte, as the
-    rehearsal reads them from the stages the real plan leaves that rank (FSDP's padding included)."""
+    rehearsal reads them from the stages the real plan leaves that rank (FSDP's padding included;
+    a LoRA run's frozen base and trained adapters)."""
     world, extra = REHEARSED[layout]
-    cfg = _cfg(extra)
+    cfg = _cfg({**extra, "model.hf_path": untied_moe} if "lora.enabled" in extra else extra)
     e = estimate(cfg, world)
     pp = e.pipeline.layout.pp
     ranks = sorted({r * (world // pp) for r in range(pp)} | {world - 1})
@@ -192,7 +214,8 @@ def test_the_estimate_command_reports_the_pipeline(capsys):
             "per step (after a forward-only counting pass: the MoE balancing loss)") in out
     assert "bubble 33.3% of each step" in out  # (2 - 1) / (2 + 2 - 1)
     assert f"pp rank 0: stage 0 (layers 0-{sizes[0] - 1}, embedding): 2 micro-batch-stages in flight" in out
-    assert f"pp rank 1: stage 1 (layer 3, norm + head): 1 micro-batch-stage in flight" in out
+    last = "layer 3" if sizes[1] == 1 else f"layers {sizes[0]}-3"
+    assert f"pp rank 1: stage 1 ({last}, norm + head): 1 micro-batch-stage in flight" in out
     for rank, pp_rank in ((0, 0), (3, 1)):
         assert f"rank {rank} (pp rank {pp_rank}) rehearsal / estimate: parameters 1.000, gradients 1.000, " \
                "optimizer 1.000" in out
@@ -256,9 +279,8 @@ def test_tiny_twin_trains_with_pp2_as_one_process(tmp_path):
 
 
 def test_the_estimate_refuses_what_the_pipeline_refuses():
+    """Tied embeddings (the first and the last stage would share one matrix), as training does."""
     from titanite.errors import UserError
 
     with pytest.raises(UserError, match="tied input and output embeddings"):
         estimate(_cfg({"parallelism.pp": 2}, "debug-moe"), 2)
-    layout = resolve(2, "1F1B", 0, [], get_flavor("debug-moe-untied"), 64, 8)
-    assert layout.sizes == (2, 2) and layout.microbatches == 8

@@ -56,7 +56,6 @@ class StageBalance:
         self.experts, self.coef = a.num_experts, a.router_aux_loss_coef
         self.trained, self.scope = bool(a.output_router_logits), trainer.cfg.model.aux_loss_scope
         self.counting = False
-        self._parts: dict[int, int] = {}  # this rank's stages, by first layer -> a column of `terms`
         self.reset()
 
     def reset(self) -> None:
@@ -67,7 +66,8 @@ class StageBalance:
         self.tokens = 0
         self.known: torch.Tensor | None = None  # the counting pass's [M, L, E], every stage's layers
         self.global_counts: torch.Tensor | None = None  # [L, E] over the step and the data-parallel ranks
-        self.terms = torch.zeros(M, 2, device=device)  # the loss share of each micro-batch and own stage
+        # the loss share of each micro-batch and stage of this rank (by the stage's first layer)
+        self.terms = torch.zeros(M, self.trainer.handle.args.num_layers, device=device)
 
     def _put(self, into: torch.Tensor, m: torch.Tensor, slots: list[int], values: torch.Tensor) -> None:
         """into[m, slots] = values, with m a [1] device tensor (no host read)."""
@@ -100,8 +100,7 @@ class StageBalance:
         term = term / self.trainer.world.cp  # every cp rank holds the whole sequences' records: a 1/cp share each
         # Stored, not added up: the schedule's first forward of a micro-batch may be a shape
         # inference run, which the real one then overwrites.
-        column = self._parts.setdefault(part.layers.start, len(self._parts))
-        self._put(self.terms, m, [column], term.detach().view(1))
+        self._put(self.terms, m, [part.layers.start], term.detach().view(1))
         return _AddToLoss.apply(out, term)
 
     def counted(self) -> None:

@@ -11,11 +11,11 @@ The modules, each importing only those listed before it:
 - `context.py`: context parallelism's share (each rank's S / cp tokens, the gathered keys and
   values, the shared mask, the communication per step);
 - `phases.py`: the peak of a step, moment by moment;
-- `pipeline.py`: pipeline parallelism's share (each pipeline rank's stages, the micro-batches the
-  schedule keeps in flight, the bubble, the point-to-point traffic);
 - `lora.py`: a LoRA run's share (frozen base, adapters, their activations);
 - `preference.py`: a DPO run's share (two sequences per pair, their log-probabilities, the
   reference and its forward);
+- `pipeline.py`: pipeline parallelism's share (each pipeline rank's stages, the micro-batches the
+  schedule keeps in flight, the bubble, the point-to-point traffic);
 - `estimator.py`: `Estimate` and `estimate()`, which puts the parts together;
 - `report.py`: the estimate as printed;
 - `rehearse.py`: `--rehearse`, the real plan (the rank's pipeline stages included) under a fake

@@ -46,7 +46,7 @@ from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, laye
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import accumulation_steps, step_phases
-from titanite.plan.pipeline import PipelineShare, pipeline_share
+from titanite.plan.pipeline import PipelineShare, counting_pass, pipeline_share
 from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, loss_terms, loss_values,
                                       preference_share, sequences_per_micro_batch)
 from titanite.preflight import check_layout, choose_loss
@@ -101,7 +101,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     if layout is not None and args is not None and args is not handle.args:  # what-if: another architecture's split
         p = cfg.parallelism
         layout = pipeline_layout.resolve(d.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), args,
-                                         cfg.data.seq_len, accumulation_steps(cfg, d))
+                                         cfg.data.seq_len, accumulation_steps(cfg, d), p.pp_stages_per_rank)
     args = args or handle.args
     if profile is None:
         profile = handle.activation_profile(_planned_loss(cfg, handle, device_memory), d.tp)
@@ -125,7 +125,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     if cfg.parallelism.activation_checkpoint == "full":
         flops += base / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
     if a.num_experts and ((cfg.model.aux_loss_scope == "global_batch" and accumulation_steps(cfg, d) > 1)
-                          or (layout is not None and a.output_router_logits)):
+                          or (layout is not None and counting_pass(a))):
         # the counting forward of every micro-batch (titanite/models/moe_balance.py, titanite/lm_pipeline.py)
         flops += base / 3
     if on_gloo is None:
@@ -139,8 +139,8 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     if layout is not None:  # the most loaded pipeline rank's figures (titanite/plan/pipeline.py)
         pipe = pipeline_share(cfg, a, d, layout, tokens, profile, on_gloo, gloo_buffers, flops, cp)
         w = pipe.worst
-        return Estimate(d, *w.memory, w.flops_per_step, global_tokens, phases=w.phases, context=w.context,
-                        pipeline=pipe)
+        return Estimate(d, *w.memory, w.flops_per_step, global_tokens, lora=w.lora, phases=w.phases,
+                        context=w.context, pipeline=pipe)
     phases = add_context(phases, cp)
     share = None
     if dpo:

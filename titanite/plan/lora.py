@@ -34,6 +34,7 @@ A LoRA run (`[lora] enabled`) holds, per rank:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from titanite.config import Config, LoraConfig
@@ -41,6 +42,7 @@ from titanite.lora import check_dropout, chosen_targets
 from titanite.models.flops import lora_flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.stage import Part
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors,
                                   uses_fsdp)
@@ -206,12 +208,13 @@ def expert_stack_elems(a: Qwen3Args, i: int, targets: set[str], ep: int) -> int:
     return sum(p.experts // ep * p.in_features * p.out_features for p in adapted(a, i, targets) if p.experts)
 
 
-def expert_weight_bytes(a: Qwen3Args, targets: set[str], ep: int, ac: str,
-                        value_bytes: int) -> tuple[float, float]:
+def expert_weight_bytes(a: Qwen3Args, targets: set[str], ep: int, ac: str, value_bytes: int,
+                        blocks: Sequence[int] | None = None) -> tuple[float, float]:
     """(bytes kept at the end of forward, transient bytes) of the effective expert weights:
     without checkpointing every MoE layer keeps its stack and one gradient of it is transient in
-    backward; with checkpointing one layer's stack (rebuilt in backward) and its gradient are."""
-    stacks = [expert_stack_elems(a, i, targets, ep) for i in range(a.num_layers)]
+    backward; with checkpointing one layer's stack (rebuilt in backward) and its gradient are.
+    `blocks`: the layers counted (default: all)."""
+    stacks = [expert_stack_elems(a, i, targets, ep) for i in (range(a.num_layers) if blocks is None else blocks)]
     biggest = max(stacks)
     if ac == "none":
         return sum(stacks) * value_bytes, biggest * value_bytes
@@ -219,16 +222,19 @@ def expert_weight_bytes(a: Qwen3Args, targets: set[str], ep: int, ac: str,
 
 
 def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Tensor]], top: list[Tensor],
-                tokens: int, profile: ActivationProfile,
-                loss_values: float | None = None) -> tuple[list[float], LoraParams]:
+                tokens: int, profile: ActivationProfile, loss_values: float | None = None,
+                blocks: Sequence[int] | None = None, part: Part | None = None) -> tuple[list[float], LoraParams]:
     """([params, grads, optimizer, activations, recompute, transient] bytes per rank of a LoRA
     run, its parameter counts). `layers`, `top`: the base tensors as a rank holds them before
-    FSDP. FSDP gathers the base and the adapters in the compute dtype (its mixed-precision policy
-    casts before the all-gather: bf16 under mixed_precision bf16, else fp32), and only the adapters
-    have unsharded gradients. `loss_values`: as counts.activation_bytes takes it."""
+    FSDP; `blocks`: the layers `layers` are (default: all, a pipeline rank's otherwise); `part`:
+    the pipeline stage whose activations are counted (default: the whole model). FSDP gathers the
+    base and the adapters in the compute dtype (its mixed-precision policy casts before the
+    all-gather: bf16 under mixed_precision bf16, else fp32), and only the adapters have unsharded
+    gradients. `loss_values`: as counts.activation_bytes takes it."""
     lo, ac = cfg.lora, cfg.parallelism.activation_checkpoint
     targets = lora_targets(a, lo)
-    adapters = [layer_adapter_tensors(a, i, lo, targets, d.tp, d.ep) for i in range(a.num_layers)]
+    blocks = range(a.num_layers) if blocks is None else blocks
+    adapters = [layer_adapter_tensors(a, i, lo, targets, d.tp, d.ep) for i in blocks]
     base_local = sharded([x for layer in layers for x in layer] + top, d)
     adapter_local = sharded([x for layer in adapters for x in layer], d)
     base_dtype_bytes = 2 if lo.base_dtype == "bf16" else 4
@@ -245,8 +251,9 @@ def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Te
         a, tokens, d.tp, ac, profile.keeps_logits, compute_bytes, sp=sp,
         extra=lambda i, mode: activation_elems(a, i, lo, targets, mode, compute_bytes, d.tp, sp),
         # the final norm's normalised value (this rank's share of the sequence): its weight is frozen
-        top_extra=-a.hidden_size * (1 / d.tp if sp else 1.0), loss_values=loss_values)
-    expert_kept, expert_transient = expert_weight_bytes(a, targets, d.ep, ac, compute_bytes)
+        top_extra=-a.hidden_size * (1 / d.tp if sp else 1.0), loss_values=loss_values, part=part)
+    expert_kept, expert_transient = expert_weight_bytes(a, targets, d.ep, ac, compute_bytes,
+                                                        part.layers if part is not None else blocks)
     if not uses_fsdp(d) and compute_bytes == 2:  # autocast's bf16 copies of fp32 weights, saved for backward
         transient += 2.0 * (adapter_local + (base_local if base_dtype_bytes == 4 else 0))
     return [counts.base_bytes + counts.adapter_bytes, adapter_local * 4.0, adapter_local * 8.0,

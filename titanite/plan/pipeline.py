@@ -2,9 +2,10 @@
 and phases.py count the parts, this module which of them each pipeline rank holds.
 
 The layout is the one training runs (titanite/parallel/pipeline_layout.py, as preflight resolves
-it): the blocks split into stages, each pipeline rank r running one stage (GPipe, 1F1B) or two
-(v = 2: the interleaved schedules, stages r and r + pp; ZBVZeroBubble, stages r and 2 pp - 1 - r),
-n micro-batches per pass. Per pipeline rank, in bytes:
+it): the blocks split into stages, each pipeline rank r running v of them (1: GPipe, 1F1B; the
+looped schedules: stages r, r + pp, ..., 2 unless parallelism.pp_stages_per_rank says more;
+ZBVZeroBubble and DualPipeV: stages r and 2 pp - 1 - r), n micro-batches per pass. Per pipeline
+rank, in bytes:
 - parameters, gradients, optimizer state: those of its stages' blocks, with the embedding where
   it runs the first stage and the final norm and the head where it runs the last, FSDP-sharded
   over its dp_shard x cp ranks as without pipelining (counts.sharded);
@@ -14,23 +15,27 @@ n micro-batches per pass. Per pipeline rank, in bytes:
   A_r the largest A_s of the rank's stages. F_r is the most micro-batch-stages the schedule keeps
   alive on rank r at once: a micro-batch's activations on a stage live from its forward to the
   backward that frees them; with the backward split into input and weight gradients (the zero-bubble
-  schedules) until the weight gradients, which need most of them. With m = n / max(1, n // pp)
-  micro-batches per round (torch's interleaved schedules):
+  schedules) until the weight gradients, which need most of them; where a forward runs overlapped
+  with a backward (DualPipeV), both micro-batches count. With m = n / max(1, n // pp)
+  micro-batches per round (torch's looped schedules):
     GPipe                  n                              (every forward before any backward)
     1F1B                   min(n, pp - r)                 (pp - r warm-up forwards, then one forward per backward)
-    LoopedBFS              v n                            (every forward of both stages first)
+    LoopedBFS              v n                            (every forward of every stage first)
     Interleaved1F1B        min(v n, (v - 1) m + 2 (pp - 1 - r) + 1)   (its warm-up forwards, then one more)
     InterleavedZeroBubble  min(v n, (v - 1) m + pp)       (weight gradients deferred r steps on rank r)
     ZBVZeroBubble          min(2 pp, n + r + 1)
+    DualPipeV              min(2 n, 2 pp + 1)             (2 pp after its warm-up, one more overlapped)
   (tests/test_plan_pipeline.py holds each to the order torch's schedule builds). With one stage per
-  rank it is exact; with two it is an upper bound where the rank's stages keep different amounts
+  rank it is exact; with more it is an upper bound where the rank's stages keep different amounts
   (the first and the last stage's ends). One block is rebuilt at a time under checkpointing, as
   without pipelining;
 - the step's moments (phases.py), with the loss and the head's gradients only on the rank that
   runs the last stage and the embedding's only on the one that runs the first; the gradients the
   pass's earlier micro-batches left are there in both backward moments;
 - under context parallelism, the gathered keys and values of the rank's blocks (kept for each
-  micro-batch-stage in flight without checkpointing) and their communication.
+  micro-batch-stage in flight without checkpointing) and their communication;
+- a LoRA run (titanite/plan/lora.py): the frozen base and the adapters of the rank's blocks, and
+  what each stage's micro-batch keeps (the effective expert weights included) for each in flight.
 The estimate's figures are the most loaded pipeline rank's (the largest peak); `PipelineShare`
 holds every rank's.
 
@@ -56,17 +61,18 @@ from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.stage import Part
 from titanite.parallel.mesh import ParallelDims
-from titanite.parallel.pipeline_layout import PipelineLayout, Schedule
+from titanite.parallel.pipeline_layout import PipelineLayout
 from titanite.plan.context import ContextShare, add_context
 from titanite.plan.counts import GiB, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors, uses_fsdp
+from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.phases import accumulation_steps, step_phases
 
 
-def in_flight(s: Schedule, pp: int, n: int, rank: int) -> int:
+def in_flight(layout: PipelineLayout, rank: int) -> int:
     """The most micro-batch-stages pipeline rank `rank` keeps activations for at once (the module
-    docstring's F_r), n micro-batches per pass."""
-    v = s.stages_per_rank
-    m = n // max(1, n // pp)  # micro-batches per round of torch's interleaved schedules
+    docstring's F_r)."""
+    pp, n, v = layout.pp, layout.microbatches, layout.stages_per_rank
+    m = n // max(1, n // pp)  # micro-batches per round of torch's looped schedules
     table = {
         "GPipe": n,
         "1F1B": min(n, pp - rank),
@@ -74,11 +80,12 @@ def in_flight(s: Schedule, pp: int, n: int, rank: int) -> int:
         "Interleaved1F1B": min(v * n, (v - 1) * m + 2 * (pp - 1 - rank) + 1),
         "InterleavedZeroBubble": min(v * n, (v - 1) * m + pp),
         "ZBVZeroBubble": min(2 * pp, n + rank + 1),
+        "DualPipeV": min(2 * n, 2 * pp + 1),
     }
-    return table[s.name]
+    return table[layout.schedule.name]
 
 
-def counting_pass(cfg: Config, a: Qwen3Args) -> bool:
+def counting_pass(a: Qwen3Args) -> bool:
     """Whether a pipelined step runs a forward-only counting pass first: a trained MoE balancing
     loss (titanite/lm_pipeline.py), whatever model.aux_loss_scope."""
     return bool(a.num_experts and a.output_router_logits)
@@ -97,6 +104,7 @@ class RankShare:
     flops_per_step: float
     p2p_bytes: float  # sent per step (as much is received)
     context: ContextShare | None = None
+    lora: LoraParams | None = None  # a LoRA run's counts, its bytes those of this rank's blocks
 
     @property
     def peak(self) -> float:
@@ -173,14 +181,14 @@ def pipeline_share(cfg: Config, a: Qwen3Args, d: ParallelDims, layout: PipelineL
     sp = profile.sequence_parallel and d.tp > 1
     boundary = float(tokens * a.hidden_size * c) / (d.tp if sp else 1)
     accum = accumulation_steps(cfg, d)
-    counting = counting_pass(cfg, a)
+    counting = counting_pass(a)
     owner = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
     ranks = []
     for r in range(layout.pp):
         parts = rank_parts(layout, r)
         stages = tuple(layout.stages_of(r))
-        f = in_flight(layout.schedule, layout.pp, layout.microbatches, r)
-        memory, phases = _rank_memory(cfg, a, d, parts, f, tokens, profile, c, on_gloo, gloo_buffers)
+        f = in_flight(layout, r)
+        memory, phases, lora = _rank_memory(cfg, a, d, parts, f, tokens, profile, c, on_gloo, gloo_buffers)
         share = (sum(layer_flops(a, i, cfg.data.seq_len) for p in parts for i in p.layers)
                  + (head_flops(a) if any(p.last for p in parts) else 0.0)) / flops_per_token(a, cfg.data.seq_len)
         # per micro-batch: one forward send past each boundary it ends, one gradient back past each it starts
@@ -189,33 +197,41 @@ def pipeline_share(cfg: Config, a: Qwen3Args, d: ParallelDims, layout: PipelineL
         sends = accum * (forward * (2 if counting else 1) + backward)
         cp = _rank_context(context, a, parts, f)
         ranks.append(RankShare(r, tuple(parts), stages, f, tuple(memory), add_context(phases, cp),
-                               share * layout.pp * flops_per_rank, sends * boundary, cp))
+                               share * layout.pp * flops_per_rank, sends * boundary, cp, lora))
     return PipelineShare(layout, tuple(ranks), accum // layout.microbatches, boundary, counting)
 
 
 def _rank_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, parts: list[Part], in_flight: int, tokens: int,
                  profile: ActivationProfile, c: int, on_gloo: bool, gloo_buffers: bool
-                 ) -> tuple[list[float], dict[str, float]]:
-    """[params, grads, optimizer, activations, recompute, transient] of one pipeline rank, and its
-    step's moments."""
+                 ) -> tuple[list[float], dict[str, float], LoraParams | None]:
+    """[params, grads, optimizer, activations, recompute, transient] of one pipeline rank, its
+    step's moments and (LoRA) its parameter counts."""
     first, last = any(p.first for p in parts), any(p.last for p in parts)
-    blocks = [layer_tensors(a, i, d.tp, d.ep) for p in parts for i in p.layers]
+    indices = [i for p in parts for i in p.layers]
+    blocks = [layer_tensors(a, i, d.tp, d.ep) for i in indices]
     embedding, norm, head = top_tensors(a, d.tp)  # untied: pipeline parallelism refuses tied embeddings
     top = ([embedding] if first else []) + ([norm, head] if last else [])
-    local = sharded([x for b in blocks for x in b] + top, d)
-    unsharded = [sum(x.numel for x in b) for b in blocks]
-    transient = fsdp_transient(d, a, unsharded, top, unsharded, c)
-    if not uses_fsdp(d) and c == 2:  # autocast's bf16 copies of the weights, kept for backward
-        transient += 2.0 * local
-    ac = cfg.parallelism.activation_checkpoint
-    per_stage = [activation_bytes(a, tokens, d.tp, ac, profile.keeps_logits, c, sp=profile.sequence_parallel,
-                                  part=p) for p in parts]
-    kept = in_flight * max(k for k, _ in per_stage)
-    recompute = max(r for _, r in per_stage)
-    memory = [local * 4.0, local * 4.0, local * 8.0, kept, recompute, transient]
-    phases = step_phases(cfg, a, d, [embedding, norm, head], tokens, profile.keeps_logits, memory, max(unsharded),
+    ac, lora = cfg.parallelism.activation_checkpoint, None
+    if cfg.lora.enabled:
+        memory, lora = lora_memory(cfg, a, d, blocks, top, tokens, profile, blocks=indices)
+        per_stage = [lora_memory(cfg, a, d, [layer_tensors(a, i, d.tp, d.ep) for i in p.layers], top, tokens, profile,
+                                 blocks=p.layers, part=p)[0][3:5] for p in parts]
+        block_grads = 0  # the adapters': small
+    else:
+        local = sharded([x for b in blocks for x in b] + top, d)
+        unsharded = [sum(x.numel for x in b) for b in blocks]
+        transient = fsdp_transient(d, a, unsharded, top, unsharded, c)
+        if not uses_fsdp(d) and c == 2:  # autocast's bf16 copies of the weights, kept for backward
+            transient += 2.0 * local
+        memory = [local * 4.0, local * 4.0, local * 8.0, 0.0, 0.0, transient]
+        per_stage = [activation_bytes(a, tokens, d.tp, ac, profile.keeps_logits, c, sp=profile.sequence_parallel,
+                                      part=p) for p in parts]
+        block_grads = max(unsharded)
+    memory[3] = in_flight * max(k for k, _ in per_stage)
+    memory[4] = max(r for _, r in per_stage)
+    phases = step_phases(cfg, a, d, [embedding, norm, head], tokens, profile.keeps_logits, memory, block_grads,
                          on_gloo, gloo_buffers, first=first, last=last, pipelined=True)
-    return memory, phases
+    return memory, phases, lora
 
 
 def _rank_context(share: ContextShare | None, a: Qwen3Args, parts: list[Part], in_flight: int
