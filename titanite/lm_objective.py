@@ -11,10 +11,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from titanite.kernels import IGNORE_INDEX
 from titanite.models.moe_balance import StepBalance
 from titanite.parallel import distributed
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32. logits [B, S, V], labels [B, S] (IGNORE_INDEX skipped)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def device_batches(trainer: Any, batches: list[dict[str, torch.Tensor]]
+                   ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The step's micro-batches on the device, and the valid labels of the whole step (all
+    micro-batches, all data-parallel and context-parallel ranks) that normalise the loss."""
+    world = trainer.world
+    batches = [{k: v.to(trainer.device, non_blocking=True) for k, v in b.items()} for b in batches]
+    n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+    return batches, world.all_reduce_sum_loss(n_valid.to(torch.float32)).clamp_min(1)
 
 
 def step_balance(trainer: Any) -> StepBalance | None:
@@ -32,13 +49,7 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
     """One step's forwards and backwards on the trainer's model: (the step's loss, the
     load-balancing loss it trained on or None, the metrics), summed over the ranks."""
     world, device = trainer.world, trainer.device
-    batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in batches]
-    n_valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
-    n_valid = world.all_reduce_sum_loss(n_valid.to(torch.float32)).clamp_min(1)
-    if trainer.pipeline is not None:
-        from titanite import lm_pipeline
-
-        return lm_pipeline.accumulate(trainer, batches, n_valid)
+    batches, n_valid = device_batches(trainer, batches)
     balance = step_balance(trainer)
     if balance is not None and balance.counts_first:  # global_batch over several micro-batches
         with torch.no_grad():

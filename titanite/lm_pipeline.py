@@ -26,6 +26,7 @@ from titanite.kernels.routing import RoutingRecord
 from titanite.models.moe_balance import StepBalance, global_balance
 from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.stage import Part
+from titanite import lm_objective
 from titanite.parallel import distributed
 
 
@@ -133,9 +134,7 @@ def _loss_sum(trainer: Any, output: torch.Tensor, labels: torch.Tensor) -> torch
     its logits (a vocabulary-sharded head, under loss_parallel)."""
     if not trainer.handle.loss_from_logits:
         return output
-    from titanite.trainer import cross_entropy_sum
-
-    return distributed.full_tensor(cross_entropy_sum(output, labels))
+    return distributed.full_tensor(lm_objective.cross_entropy_sum(output, labels))
 
 
 def around_stage(trainer: Any) -> Any:
@@ -167,11 +166,13 @@ def stage_hook(trainer: Any) -> StageBalance | None:
     return StageBalance(trainer) if getattr(trainer.handle.args, "num_experts", 0) else None
 
 
-def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], n_valid: torch.Tensor
+def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropout: Any = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The step's device micro-batches through the pipeline: (the step's loss, the trained
-    balancing loss or None, the metrics), summed over the ranks."""
+    """The step's micro-batches through the pipeline: (the step's loss, the trained balancing
+    loss or None, the metrics), summed over the ranks. (Each stage seeds its own dropout:
+    around_stage; `seed_dropout` is the trainer's, for one forward at a time, unused here.)"""
     world, pipe = trainer.world, trainer.pipeline
+    batches, n_valid = lm_objective.device_batches(trainer, batches)
     balance: StageBalance | None = pipe.on_forward
     n = pipe.layout.microbatches
     passes = range(0, len(batches), n)

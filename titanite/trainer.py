@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from titanite import device as devices
 from titanite import lora
@@ -31,7 +30,6 @@ from titanite.data.prefetch import Prefetcher
 from titanite.errors import TrainingDiverged
 from titanite.eval import Evaluator, eval_due
 from titanite.metrics import MetricsLogger, Mfu, StepResult
-from titanite.kernels import IGNORE_INDEX
 from titanite.lora import adapter as lora_adapter
 from titanite.models.handle import TrainOutput
 from titanite.optim import build_optimizer, lr_at, set_lr
@@ -48,12 +46,6 @@ from titanite import lm_objective, lm_pipeline, run_export
 
 log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32. logits [B, S, V], labels [B, S] (IGNORE_INDEX skipped)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 class Trainer:
@@ -268,8 +260,9 @@ class Trainer:
                 rank = self.world.dp_rank * self.world.cp + (self.cp.rank if self.cp is not None else 0)
                 torch.manual_seed(lora.dropout_seed(self.cfg.job.seed, self.step, micro, rank))
 
+        objective = lm_pipeline if self.pipeline is not None else lm_objective
         accumulate = (self.preference.accumulate if self.preference is not None
-                      else functools.partial(lm_objective.accumulate, self))
+                      else functools.partial(objective.accumulate, self))
         total, aux_total, stats = accumulate(batches, seed_dropout)
         stages = self.world.meshes["pp"].get_group() if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm or math.inf, stages)
@@ -322,7 +315,8 @@ class Trainer:
         output and the summed fp32 cross-entropy over its valid labels."""
         with self.autocast:
             out = self.handle.forward_train(batch)
-        loss_sum = out.loss_sum if out.loss_sum is not None else cross_entropy_sum(out.logits, batch["labels"])
+        loss_sum = (out.loss_sum if out.loss_sum is not None
+                    else lm_objective.cross_entropy_sum(out.logits, batch["labels"]))
         return out, distributed.full_tensor(loss_sum)
 
     def evaluate(self) -> dict[str, float]:
