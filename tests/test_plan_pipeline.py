@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import tomllib
 import types
 
@@ -28,7 +29,7 @@ from titanite.parallel.pipeline_layout import SCHEDULES, PipelineLayout, balance
 from titanite.plan import estimate
 from titanite.plan.counts import GiB
 from titanite.plan.pipeline import in_flight
-from titanite.plan.rehearse import rehearse
+from titanite.plan.rehearse import fitting_layout, rehearse
 
 PRETRAIN, PRETRAIN_TINY = (REPO / "configs" / f"qwen3-235b-a22b-pretrain{s}.toml" for s in ("", "-tiny"))
 
@@ -37,6 +38,14 @@ def _cfg(world_extra: dict, flavor: str = "debug-moe-untied") -> object:
     opts = {"model.flavor": flavor, "training.batch_size": 1, "data.seq_len": 64, "training.global_batch_size": 16,
             **world_extra}
     return load_config(None, [f"--{k}={v}" for k, v in opts.items()])
+
+
+@pytest.fixture(scope="module")
+def untied_moe(tmp_path_factory):
+    """The debug-moe-untied flavor as a config.json folder (LoRA adapts a model.hf_path)."""
+    folder = tmp_path_factory.mktemp("debug-moe-untied")
+    (folder / "config.json").write_text(json.dumps(to_hf_config(get_flavor("debug-moe-untied"))))
+    return folder
 
 
 # -- micro-batches in flight, against the order torch's schedules build ---------------------------
@@ -143,14 +152,6 @@ REHEARSED = {
 }
 
 
-@pytest.fixture(scope="module")
-def untied_moe(tmp_path_factory):
-    """The debug-moe-untied flavor as a config.json folder (LoRA adapts a model.hf_path)."""
-    folder = tmp_path_factory.mktemp("debug-moe-untied")
-    (folder / "config.json").write_text(json.dumps(to_hf_config(get_flavor("debug-moe-untied"))))
-    return folder
-
-
 @pytest.mark.parametrize("layout", REHEARSED)
 def test_each_pipeline_rank_states_are_its_real_stages(layout, untied_moe):
     """Parameters, gradients and optimizer state of every pipeline rank, to the byte, as the
@@ -171,13 +172,17 @@ def test_each_pipeline_rank_states_are_its_real_stages(layout, untied_moe):
 
 # -- activations and traffic -----------------------------------------------------------------------
 
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_stage_activations_add_up_to_the_whole_model(ac, tp):
+def test_stage_activations_add_up_to_the_whole_model(ac, tp, lora, untied_moe):
     """Under 1F1B each rank runs one stage; a micro-batch's activations over the stages are the
     whole model's without pipelining, plus, at each of the 3 stage boundaries, the output the
-    earlier stage holds for its backward and the RoPE tables the later stage builds for itself."""
+    earlier stage holds for its backward and the RoPE tables the later stage builds for itself
+    (a LoRA run's adapters' values and effective expert weights included)."""
     extra = {"parallelism.activation_checkpoint": ac, "parallelism.tp": tp, "training.global_batch_size": 8}
+    if lora:
+        extra.update({"lora.enabled": "true", "lora.rank": 4, "model.hf_path": untied_moe})
     piped = estimate(_cfg({**extra, "parallelism.pp": 4}), 4 * tp, on_gloo=False)
     whole = estimate(_cfg(extra), tp, on_gloo=False)
     ranks = piped.pipeline.ranks
@@ -246,6 +251,21 @@ def test_the_pretrain_config_fits_80gb_on_its_world(pretrain_folder):
         assert (f.params, f.grads, f.optimizer) == e.pipeline.ranks[f.pp_rank].memory[:3]
 
 
+def test_the_layout_search_tries_pipeline_stages(pretrain_folder):
+    """At 256 ranks without pipelining the 128 experts of a layer are FSDP-sharded over 256 ranks,
+    half of them padding: the states alone (rehearsed) exceed 25 GiB. The search goes on to pipeline
+    stages and names pp = 2, whose estimate, applied, fits."""
+    cfg = load_config(str(PRETRAIN), [f"--model.hf_path={pretrain_folder}", "--parallelism.pp=1"])
+    assert rehearse(cfg, 256, [0])[0].states > 25 * GiB
+    found = fitting_layout(cfg, 256, 25.0, on_gloo=False)
+    assert found is not None and found.startswith("pp = 2 ("), found
+    named = dict(re.findall(r"(\w+) = '?(\w+)'?", found.split(" (estimated")[0]))
+    trial = load_config(str(PRETRAIN), [f"--model.hf_path={pretrain_folder}"]
+                        + [f"--parallelism.{k}={v}" for k, v in named.items() if k != "dp_shard"])
+    e = estimate(trial, 256, on_gloo=False, device_memory=25 * GiB)
+    assert e.dims.dp_shard == int(named["dp_shard"]) and e.total <= 25 * GiB
+
+
 def test_the_tiny_twin_is_the_pretrain_config_on_two_ranks():
     """Same sections and keys (the architecture from a flavor instead of a config.json folder);
     pp = 2 with the same schedule, the balancing loss over the global batch, trained."""
@@ -254,7 +274,8 @@ def test_the_tiny_twin_is_the_pretrain_config_on_two_ranks():
     assert {s: sorted(t) for s, t in full.items()} == {s: sorted(t) for s, t in tiny.items()}
     tiny["model"]["flavor"] = tiny["model"].pop("hf_path")
     assert tiny["parallelism"]["pp"] == 2 and tiny["parallelism"]["pp_schedule"] == full["parallelism"]["pp_schedule"]
-    assert tiny["model"]["aux_loss_scope"] == "global_batch" and get_flavor(tiny["model"]["flavor"]).output_router_logits
+    assert tiny["model"]["aux_loss_scope"] == "global_batch"
+    assert get_flavor(tiny["model"]["flavor"]).output_router_logits
     cfg = load_config(str(PRETRAIN_TINY), [])
     assert estimate(cfg, 2).pipeline.layout.describe().startswith("pp=2")
 

@@ -67,7 +67,7 @@ class Estimate:
     phases: dict[str, float] = field(default_factory=dict)  # the peak of each moment of a step
     preference: PreferenceShare | None = None  # a DPO run's reference (its bytes are in `phases`, not `params`)
     context: ContextShare | None = None  # context parallelism's buffers (in `phases`) and communication
-    pipeline: PipelineShare | None = None  # pipeline parallelism: every pipeline rank's share (the figures: the worst's)
+    pipeline: PipelineShare | None = None  # every pipeline rank's share (the figures above: the most loaded's)
 
     @property
     def total(self) -> float:

@@ -233,8 +233,8 @@ def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Te
     gradients. `loss_values`: as counts.activation_bytes takes it."""
     lo, ac = cfg.lora, cfg.parallelism.activation_checkpoint
     targets = lora_targets(a, lo)
-    blocks = range(a.num_layers) if blocks is None else blocks
-    adapters = [layer_adapter_tensors(a, i, lo, targets, d.tp, d.ep) for i in blocks]
+    indices = range(a.num_layers) if blocks is None else blocks
+    adapters = [layer_adapter_tensors(a, i, lo, targets, d.tp, d.ep) for i in indices]
     base_local = sharded([x for layer in layers for x in layer] + top, d)
     adapter_local = sharded([x for layer in adapters for x in layer], d)
     base_dtype_bytes = 2 if lo.base_dtype == "bf16" else 4
@@ -253,7 +253,7 @@ def lora_memory(cfg: Config, a: Qwen3Args, d: ParallelDims, layers: list[list[Te
         # the final norm's normalised value (this rank's share of the sequence): its weight is frozen
         top_extra=-a.hidden_size * (1 / d.tp if sp else 1.0), loss_values=loss_values, part=part)
     expert_kept, expert_transient = expert_weight_bytes(a, targets, d.ep, ac, compute_bytes,
-                                                        part.layers if part is not None else blocks)
+                                                        part.layers if part is not None else indices)
     if not uses_fsdp(d) and compute_bytes == 2:  # autocast's bf16 copies of fp32 weights, saved for backward
         transient += 2.0 * (adapter_local + (base_local if base_dtype_bytes == 4 else 0))
     return [counts.base_bytes + counts.adapter_bytes, adapter_local * 4.0, adapter_local * 8.0,

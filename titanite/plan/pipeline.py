@@ -45,9 +45,9 @@ Time and traffic:
 - the bubble: the share of a step each rank idles in warm-up and drain, layout.bubble();
 - point to point, per stage boundary and micro-batch: the hidden states [B, S / cp / (tp if the
   residual stream is sequence-parallel), H] in the compute dtype forward, their gradient of the
-  same size backward; boundaries between two stages of one rank (ZBV's middle) move nothing. A
-  trained MoE balancing loss adds a forward-only counting pass of every micro-batch
-  (titanite/lm_pipeline.py): a third more FLOPs and the forward sends once more.
+  same size backward; boundaries between two stages of one rank (the V's turn on rank pp - 1)
+  move nothing. A trained MoE balancing loss adds a forward-only counting pass of every
+  micro-batch (titanite/lm_pipeline.py): a third more FLOPs and the forward sends once more.
 """
 
 from __future__ import annotations
