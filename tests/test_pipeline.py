@@ -42,8 +42,9 @@ LAYOUTS = {
     # name: (checkpoint fixture, ranks, overrides)
     "1f1b": ("dense4", 2, {"parallelism.pp": 2}),
     "hf_gpipe": ("dense4", 2, {"model.spec": "hf", "parallelism.pp": 2, "parallelism.pp_schedule": "GPipe"}),
-    "interleaved_ac": ("dense4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "Interleaved1F1B",
-                                     "parallelism.activation_checkpoint": "full"}),
+    "interleaved_ac_documents": ("dense4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "Interleaved1F1B",
+                                               "parallelism.activation_checkpoint": "full",
+                                               "data.packing": "documents"}),
     "moe_zbv": ("moe4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble"}),
     "moe_dualpipev": ("moe4", 2, {"parallelism.pp": 2, "parallelism.pp_schedule": "DualPipeV", **GLOBAL}),
     "hf_moe_interleaved_zb": ("moe4", 2, {"model.spec": "hf", "parallelism.pp": 2,
@@ -63,8 +64,9 @@ LAYOUTS = {
     "moe_pp_ep": ("moe4", 4, {"parallelism.pp": 2, "parallelism.ep": 2, **GLOBAL,
                               "parallelism.activation_checkpoint": "full"}),
     # the recomputation in backward runs under its own micro-batch's cp layout
-    "moe_pp_cp_ac": ("moe4", 4, {"parallelism.pp": 2, "parallelism.cp": 2,
-                                 "parallelism.activation_checkpoint": "full"}),
+    "hf_moe_pp_cp_ac_documents": ("moe4", 4, {"model.spec": "hf", "parallelism.pp": 2, "parallelism.cp": 2,
+                                              "parallelism.activation_checkpoint": "full",
+                                              "data.packing": "documents"}),
 }
 
 
