@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -51,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, titanite_state
+from common import TINY_VOCAB_HELP, add_model_args, child_baseline, launch, print_header, run_env, tiny_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().parent / "long_context_child.py"
@@ -63,37 +62,8 @@ RECORD_ENV = "TITANITE_LC_RECORD"
 
 
 def make_inputs(root: Path, args: argparse.Namespace, env: dict[str, str]) -> tuple[Path, Path, int]:
-    """The model folder (config.json + the tiny tokenizer), the corpus, and the parameter count."""
-    sys.path.insert(0, str(REPO))
-    import torch
-    import transformers
-
-    from tests.conftest import make_tiny_tokenizer
-
-    torch.set_num_threads(os.cpu_count() or 1)  # tests.conftest sets the thread count: undo
-    folder = root / "model"
-    cfg = transformers.Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False)
-    cfg.save_pretrained(folder)  # random init reads only config.json
-    make_tiny_tokenizer(folder)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in transformers.Qwen3ForCausalLM(cfg).parameters())
-
-    words = ("the model reads tokens and predicts the next token while the optimizer lowers the loss on "
-             "every step of training data in small batches and long sequences are split over the ranks").split()
-    rng = random.Random(0)
-    need = 2 * (args.steps + 1) * max(args.seq_lens)  # tokens: about one a word, twice what the longest run reads
-    data = root / "corpus.jsonl"
-    with data.open("w") as f:
-        for _ in range(need // 500 + 1):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(500))}) + "\n")
-    # tokenized once into the shared store (XDG_CACHE_HOME), so no run pays for (or races over) it
-    subprocess.run([sys.executable, "-m", "titanite.cli", "data", "prepare", "--workers", "1",
-                    f"--data.path={data}", f"--model.hf_path={folder}", "--data.packing=stream",
-                    f"--data.seq_len={max(args.seq_lens)}"], check=True, env=env, cwd=REPO, capture_output=True)
-    return folder, data, params
+    """The model folder, the corpus (about twice the tokens a run reads), the parameter count."""
+    return tiny_inputs(root, args, env, max(args.seq_lens), 2 * (args.steps + 1) * max(args.seq_lens), "the model reads tokens and predicts the next token while the optimizer lowers the loss on every step of training data in small batches and long sequences are split over the ranks")
 
 
 def overrides(folder: Path, data: Path, out: Path, seq_len: int, cp: int, args: argparse.Namespace) -> list[str]:
@@ -116,32 +86,7 @@ def mem_available() -> int:
 
 
 def baseline(root: Path, env: dict[str, str]) -> dict[str, int]:
-    record = root / "baseline"
-    record.mkdir()
-    subprocess.run([sys.executable, str(CHILD), "--rank", "--baseline"], check=True, cwd=REPO,
-                   env={**env, RECORD_ENV: str(record)})
-    return json.loads((record / "baseline.json").read_text())
-
-
-def launch(cp: int, train_argv: list[str], record: Path, env: dict[str, str], timeout: float) -> dict:
-    """One torchrun job; its metrics rows and every rank's record, or the failure's last lines."""
-    record.mkdir(parents=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", str(CHILD),
-            "--rank"] + train_argv
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, env={**env, RECORD_ENV: str(record)}, cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-3000:]
-        return {"error": f"timed out after {timeout:.0f} s", "tail": tail.decode() if isinstance(tail, bytes) else tail}
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}", "tail": proc.stderr[-4000:], "wall": wall}
-    out = Path(next(a.split("=", 1)[1] for a in train_argv if a.startswith("--job.output_dir=")))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    ranks = [json.loads((record / f"rank-{r}.json").read_text()) for r in range(cp)]
-    return {"rows": [r for r in rows if "tokens_per_sec" in r], "ranks": ranks, "wall": wall}
+    return child_baseline(root, env, CHILD, RECORD_ENV)
 
 
 def sweep(args: argparse.Namespace, root: Path, folder: Path, data: Path, env: dict[str, str],
@@ -174,7 +119,7 @@ def sweep(args: argparse.Namespace, root: Path, folder: Path, data: Path, env: d
                 continue
             run_env = {**env, "OMP_NUM_THREADS": str(r["threads"])}
             r["load"] = Path("/proc/loadavg").read_text().split()[0]  # a shared machine: what else ran
-            r.update(launch(cp, train_argv, root / f"record-{seq_len}-{cp}", run_env, args.timeout))
+            r.update(launch(cp, CHILD, RECORD_ENV, train_argv, root / f"record-{seq_len}-{cp}", run_env, args.timeout))
             shutil.rmtree(out, ignore_errors=True)
             if "error" in r:
                 print(f"  seq_len {seq_len} cp {cp}: FAILED ({r['error']})\n{r['tail']}", file=sys.stderr, flush=True)
@@ -268,26 +213,16 @@ def main() -> None:
     p.add_argument("--no-gather-share", dest="gather", action="store_false", help="the training sweep only")
     p.add_argument("--no-train", dest="train", action="store_false", help="the gather share only")
     p.add_argument("--timeout", type=float, default=900, help="seconds per torchrun job")
-    p.add_argument("--vocab", type=int, default=384, help="the model's vocabulary rows (>= the tiny tokenizer's 384)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
+    add_model_args(p, vocab=384, hidden=256, intermediate=768, layers=4, heads=8, kv_heads=2, head_dim=32,
+                   vocab_help=TINY_VOCAB_HELP)
     args = p.parse_args()
     if args.quick:
         args.seq_lens, args.cps, args.gather_seq_lens = [2048, 8192], [1, 2], [8192]
-    print(machine())
-    print(f"titanite: {titanite_state()}")
-    print(f"load average at the start: {Path('/proc/loadavg').read_text().split()[0]}")
-    sys.stdout.flush()
+    print_header()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="titanite-long-context-bench-") as tmp:
         root = Path(tmp)
-        env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "HF_HUB_OFFLINE": "1"}
+        env = run_env(root)
         if args.train:
             folder, data, params = make_inputs(root, args, env)
             print(f"inputs written in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)

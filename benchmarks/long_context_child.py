@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import proc_status
+from common import proc_status, write_baseline
 
 RECORD_ENV = "TITANITE_LC_RECORD"
 
@@ -32,13 +32,11 @@ RECORD_ENV = "TITANITE_LC_RECORD"
 
 
 def rank(argv: list[str]) -> None:
+    if write_baseline(argv, RECORD_ENV):
+        return
     record = Path(os.environ[RECORD_ENV])
     me = int(os.environ.get("RANK", "0"))
     import titanite.trainer
-
-    if argv == ["--baseline"]:
-        (record / "baseline.json").write_text(json.dumps(proc_status()))
-        return
     marks: dict = {}
     save = titanite.trainer.Trainer._save
 

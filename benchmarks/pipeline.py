@@ -58,11 +58,17 @@ Measured per run:
   job's load on the cores changes much (a rank waiting in the bubble or on a transfer sleeps,
   it does not spin: see the details' pass CPU / wall). On an idle 2-core machine tokens/s is
   at most 2 x this;
+- others: the CPU the rest of the machine used during the job, in cores on average (/proc/stat's
+  busy time less this benchmark's children's rusage); a row above 0.2 is marked (*): this
+  benchmark shares its machine with whatever else runs there;
+- the losses: every layout trains the same weights on the same batches, so its losses must
+  be FSDP's up to summation order; a layout whose losses differ by more than 2e-3 gets a
+  WARNING under the table (its step is not the same step, so its speed is not comparable);
 - pass / step: the share of the step's wall time (4,096 / tokens/s) the pipeline pass takes
   (the rest: the data, the gradient clipping over the stages, the optimizer).
 
-    .venv/bin/python benchmarks/pipeline.py            # every layout and schedule (~7-8 min on 2 cores)
-    .venv/bin/python benchmarks/pipeline.py --quick    # FSDP and pp = 2 1F1B, 2 steps (~1-2 min)
+    .venv/bin/python benchmarks/pipeline.py            # every layout and schedule (~6 min on 2 cores)
+    .venv/bin/python benchmarks/pipeline.py --quick    # FSDP and pp = 2 1F1B, 2 steps (< 1 min)
     .venv/bin/python benchmarks/pipeline.py --pps 2 --schedules 1F1B ZBVZeroBubble --steps 5
 """
 
@@ -71,7 +77,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -80,56 +85,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, machine, titanite_state
+from common import (REPO, TINY_VOCAB_HELP, add_model_args, child_baseline, launch, print_header, run_env,
+                    tiny_inputs)
 
 CHILD = Path(__file__).resolve().parent / "pipeline_child.py"
 GIB = 2**30
 RECORD_ENV = "TITANITE_PP_RECORD"
 RANKS = 4
+LOSS_TOL = 2e-3  # the most two layouts' losses may differ by (summation order) before a warning
+OTHERS = 0.2  # cores of other processes' CPU during a job above which its row is marked
 
 
 # -- inputs -------------------------------------------------------------------------------------
 
 
 def make_inputs(root: Path, args: argparse.Namespace, env: dict[str, str]) -> tuple[Path, Path, int]:
-    """The model folder (config.json + the tiny tokenizer), the corpus, and the parameter count."""
-    sys.path.insert(0, str(REPO))
-    import torch
-    import transformers
-
-    from tests.conftest import make_tiny_tokenizer
-
-    torch.set_num_threads(os.cpu_count() or 1)  # tests.conftest sets the thread count: undo
-    folder = root / "model"
-    cfg = transformers.Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=args.seq_len, tie_word_embeddings=False)
-    cfg.save_pretrained(folder)  # random init reads only config.json
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the tokenizer trainer's progress lines (Rust, fd 1)
-    try:
-        make_tiny_tokenizer(folder)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in transformers.Qwen3ForCausalLM(cfg).parameters())
-
-    words = ("the model reads tokens and predicts the next token while the optimizer lowers the loss on "
-             "every step of training data in small batches").split()
-    rng = random.Random(0)
-    need = 2 * (args.steps + 1) * args.global_batch * args.seq_len  # about a token a word, twice what a run reads
-    data = root / "corpus.jsonl"
-    with data.open("w") as f:
-        for _ in range(need // 500 + 1):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(500))}) + "\n")
-    # tokenized once into the shared store (XDG_CACHE_HOME), so no run pays for (or races over) it
-    subprocess.run([sys.executable, "-m", "titanite.cli", "data", "prepare", "--workers", "1",
-                    f"--data.path={data}", f"--model.hf_path={folder}", "--data.packing=stream",
-                    f"--data.seq_len={args.seq_len}"], check=True, env=env, cwd=REPO, capture_output=True)
-    return folder, data, params
+    """The model folder, the corpus (about twice the tokens a run reads), the parameter count."""
+    return tiny_inputs(root, args, env, args.seq_len, 2 * (args.steps + 1) * args.global_batch * args.seq_len, "the model reads tokens and predicts the next token while the optimizer lowers the loss on every step of training data in small batches")
 
 
 def overrides(folder: Path, data: Path, out: Path, run: dict, args: argparse.Namespace) -> list[str]:
@@ -149,38 +121,7 @@ def overrides(folder: Path, data: Path, out: Path, run: dict, args: argparse.Nam
 
 
 def baseline(root: Path, env: dict[str, str]) -> dict[str, int]:
-    record = root / "baseline"
-    record.mkdir()
-    subprocess.run([sys.executable, str(CHILD), "--rank", "--baseline"], check=True, cwd=REPO,
-                   env={**env, RECORD_ENV: str(record)})
-    return json.loads((record / "baseline.json").read_text())
-
-
-def launch(train_argv: list[str], record: Path, env: dict[str, str], timeout: float) -> dict:
-    """One torchrun job of 4 ranks; its metrics rows and every rank's record, or the failure's last lines."""
-    record.mkdir(parents=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", str(CHILD),
-            "--rank"] + train_argv
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, env={**env, RECORD_ENV: str(record)}, cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-3000:]
-        return {"error": f"timed out after {timeout:.0f} s", "tail": tail.decode() if isinstance(tail, bytes) else tail}
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        # the ranks' own output, before torchrun's summary of the failure (which names no cause)
-        cut = proc.stderr.rfind('Traceback (most recent call last):\n  File "<frozen runpy>"')
-        ranks_err = proc.stderr[:cut] if cut > 0 else proc.stderr
-        causes = list(dict.fromkeys(line.strip() for line in ranks_err.splitlines()
-                                    if "Error" in line or "error:" in line or "Exception" in line))
-        return {"error": f"exit {proc.returncode}: " + (causes[-1][:300] if causes else "no error line"),
-                "tail": ranks_err[-4000:], "causes": causes[:8], "wall": wall}
-    out = Path(next(a.split("=", 1)[1] for a in train_argv if a.startswith("--job.output_dir=")))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    ranks = [json.loads((record / f"rank-{r}.json").read_text()) for r in range(RANKS)]
-    return {"rows": [r for r in rows if "tokens_per_sec" in r], "ranks": ranks, "wall": wall}
+    return child_baseline(root, env, CHILD, RECORD_ENV)
 
 
 def summarize(r: dict, tokens_per_step: int) -> None:
@@ -216,8 +157,12 @@ def summarize(r: dict, tokens_per_step: int) -> None:
 def plan_runs(args: argparse.Namespace) -> list[dict]:
     runs = [{"name": f"FSDP (dp_shard {RANKS})", "pp": 1, "schedule": "-", "microbatches": args.global_batch //
              (args.batch_size * RANKS)}]
+    from titanite.parallel.pipeline_layout import SCHEDULES
+
     for pp in args.pps:
         for s in args.schedules:
+            if RANKS // pp > 1 and SCHEDULES[s].split_backward:
+                continue  # titanite refuses zero-bubble schedules with FSDP (their weight pass runs after its reduce)
             runs.append({"name": f"pp {pp} x dp_shard {RANKS // pp}", "pp": pp, "schedule": s})
     return runs
 
@@ -230,7 +175,8 @@ def sweep(args: argparse.Namespace, root: Path, folder: Path, data: Path, env: d
         results.append(r)
         out = root / f"run-{i}"
         r["load"] = Path("/proc/loadavg").read_text().split()[0]  # a shared machine: what else ran
-        r.update(launch(overrides(folder, data, out, run, args), root / f"record-{i}", env, args.timeout))
+        r.update(launch(RANKS, CHILD, RECORD_ENV, overrides(folder, data, out, run, args), root / f"record-{i}", env,
+                        args.timeout))
         shutil.rmtree(out, ignore_errors=True)
         if "error" in r:
             print(f"  {r['name']} {r['schedule']}: FAILED ({r['error']})", file=sys.stderr, flush=True)
@@ -265,7 +211,8 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
     for r in results:
         mb = r.get("microbatches", "?")
         mb = f"{mb} per rank" if r["pp"] == 1 else f"{mb} per pass"
-        head = f"| {r['name']} | {r['schedule']} | {mb} |"
+        busy = " (*)" if r.get("others", 0) > OTHERS else ""
+        head = f"| {r['name']}{busy} | {r['schedule']} | {mb} |"
         if "tps" not in r:
             print(f"{head} {r['error']} | | | | | | |")
             continue
@@ -276,10 +223,25 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
         else:
             bubble = f"{r['bubble']:.1%}; " + " / ".join(f"{b:.0%}" for b in r["bubbles"])
             planner = f"{r['planner']:.1%}"
-        print(f"{head} {r['tps']:,.0f} | {ratio} | {r['tpcpu']:,.0f} | {max(r['peaks']) / GIB:.2f} | {peaks} | {bubble} | {planner} |")
+        print(f"{head} {r['tps']:,.0f} | {ratio} | {r['tpcpu']:,.0f} | {max(r['peaks']) / GIB:.2f} | {peaks} | "
+              f"{bubble} | {planner} |")
+    # every layout trains the same weights on the same batches: the losses agree up to summation order
+    ref = next((r["losses"] for r in results if r["pp"] == 1 and "losses" in r), None)
+    for r in results:
+        if ref is None or "losses" not in r or r["pp"] == 1:
+            continue
+        off = [i + 1 for i, (a, b) in enumerate(zip(ref, r["losses"])) if abs(a - b) > LOSS_TOL]
+        if off:
+            print(f"\nWARNING: {r['name']} {r['schedule']}: the loss differs from FSDP's by more than {LOSS_TOL} from "
+                  f"step {off[0]} on (step {off[0]}: {r['losses'][off[0] - 1]:.4f} vs {ref[off[0] - 1]:.4f}; last: "
+                  f"{r['losses'][-1]:.4f} vs {ref[-1]:.4f}): its gradients are not those of the same step")
+    if any(r.get("others", 0) > OTHERS for r in results):
+        print(f"\n(*) other processes used more than {OTHERS} of a core on average during that job (see 'others' "
+              "below): its tokens/s is low by about their share of the cores; tokens / CPU-s and memory are not "
+              "affected much.")
     print("\nper run: the resolved layout (stages per rank), pass s per rank, pass / step, on-core share of compute "
           "per rank, the main thread's CPU / wall over the pass per rank, every step's loss, rank 0's metrics "
-          "host_peak_rss_gib, launch to exit, load average before:")
+          "host_peak_rss_gib, launch to exit, load average before, the other processes' CPU during the job (cores):")
     for r in results:
         if "tps" not in r:
             continue
@@ -290,11 +252,12 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
                      + " / ".join(f"{x:.2f}" for x in r["oncore"]) + "; pass CPU / wall "
                      + " / ".join(f"{x:.2f}" for x in r["pass_cpu"]))
         print(f"{line}; losses " + " ".join(f"{x:.4f}" for x in r["losses"]) + "; rank 0 metrics RSS "
-              f"{r['rank0_metrics_rss']} GiB; threads {r['rank_threads']}; {r['wall']:.0f} s; load {r['load']}")
+              f"{r['rank0_metrics_rss']:.2f} GiB; threads {r['rank_threads']}; {r['wall']:.0f} s; load {r['load']}; "
+              f"others {r['others']:.2f} cores")
     for r in results:
         if "tail" in r:
-            print(f"\n{r['name']} {r['schedule']} failed ({r['error']}); error lines:\n  " + "\n  ".join(r.get("causes", []))
-                  + f"\nthe ranks' last lines:\n{r['tail'][-2500:]}")
+            print(f"\n{r['name']} {r['schedule']} failed ({r['error']}); error lines:\n  "
+                  + "\n  ".join(r.get("causes", [])) + f"\nthe ranks' last lines:\n{r['tail'][-2500:]}")
 
 
 def main() -> None:
@@ -308,32 +271,21 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=384, help="the model's vocabulary rows (>= the tiny tokenizer's 384)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_model_args(p, vocab=384, hidden=256, intermediate=768, layers=8, heads=4, kv_heads=2, head_dim=64,
+                   vocab_help=TINY_VOCAB_HELP)
     args = p.parse_args()
+    sys.path.insert(0, str(REPO))
     if args.schedules is None:
-        sys.path.insert(0, str(REPO))
         from titanite.parallel.pipeline_layout import SCHEDULES
 
         args.schedules = list(SCHEDULES)
     if args.quick:
         args.pps, args.schedules, args.steps = [2], ["1F1B"], 2
-    print(machine())
-    print(f"titanite: {titanite_state()}")
-    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    print(f"load average at the start: {Path('/proc/loadavg').read_text().split()[0]}")
-    sys.stdout.flush()
+    print_header()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="titanite-pipeline-bench-") as tmp:
         root = Path(tmp)
-        env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env = run_env(root, OMP_NUM_THREADS="1")
         folder, data, params = make_inputs(root, args, env)
         print(f"inputs written in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
         base = baseline(root, env)

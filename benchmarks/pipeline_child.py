@@ -28,21 +28,19 @@ import sys
 import time
 from pathlib import Path
 
-from common import proc_status
+from common import proc_status, write_baseline
 
 RECORD_ENV = "TITANITE_PP_RECORD"
 
 
 def rank(argv: list[str]) -> None:
+    if write_baseline(argv, RECORD_ENV):
+        return
     record = Path(os.environ[RECORD_ENV])
     me = int(os.environ.get("RANK", "0"))
     import torch
 
     import titanite.trainer
-
-    if argv == ["--baseline"]:
-        (record / "baseline.json").write_text(json.dumps(proc_status()))
-        return
 
     from torch.distributed.pipelining.stage import _PipelineStageBase
 

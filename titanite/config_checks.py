@@ -75,8 +75,11 @@ def validate(cfg: Config) -> None:
     positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
     validate_trackers(cfg)
     p = cfg.parallelism
-    for key in ("dp_replicate", "tp", "cp", "ep", "collective_timeout_s"):
+    for key in ("dp_replicate", "tp", "cp", "ep", "pp", "collective_timeout_s"):
         positive(f"parallelism.{key}", getattr(p, key))
+    if p.pp_microbatches < 0 or p.pp_stages_per_rank < 0:
+        raise UserError(f"config keys 'parallelism.pp_microbatches' ({p.pp_microbatches}) and "
+                        f"'parallelism.pp_stages_per_rank' ({p.pp_stages_per_rank}) must be >= 0 (0: automatic)")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise UserError(f"config key 'parallelism.dp_shard' must be -1 or >= 1, got {p.dp_shard}")
     validate_context_parallel(cfg)

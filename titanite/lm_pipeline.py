@@ -59,12 +59,14 @@ class StageBalance:
         self.counting = False
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, tokens: int = 0) -> None:
+        """A new step; tokens: each micro-batch's (of the whole sequences under cp), which a
+        rank whose stages hold no MoE layer needs for the logged values too."""
         M, L, E = self.trainer.accum, len(self.moe), self.experts
         device = self.trainer.device
         self.counts = torch.zeros(M, L, E, device=device)  # this rank's layers; others zero
         self.probs = torch.zeros(M, L, E, device=device)
-        self.tokens = 0
+        self.tokens = tokens
         self.known: torch.Tensor | None = None  # the counting pass's [M, L, E], every stage's layers
         self.global_counts: torch.Tensor | None = None  # [L, E] over the step and the data-parallel ranks
         # the loss share of each micro-batch and stage of this rank (by the stage's first layer)
@@ -83,7 +85,6 @@ class StageBalance:
             return out
         slots = [self.slot[i] for i, _ in records]
         counts = torch.stack([r.counts for _, r in records]).float()
-        self.tokens = records[0][1].num_tokens
         self._put(self.counts, m, slots, counts)
         if self.counting:
             return out
@@ -179,7 +180,7 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
     total = torch.zeros((), device=trainer.device)
     with world.loss_parallel(), trainer.autocast:
         if balance is not None:
-            balance.reset()
+            balance.reset(batches[0]["input_ids"].numel() * world.cp)
             if balance.trained:  # count every stage's routing first (see the module docstring)
                 balance.counting = True
                 try:
@@ -199,8 +200,12 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
 
 
 def eval_loss(trainer: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One held-out batch's summed cross-entropy through the pipeline, on every pipeline rank."""
+    """One held-out (host) batch's summed cross-entropy through the pipeline, of the whole
+    sequences, on every pipeline and context-parallel rank."""
+    from titanite.parallel import context
+
     world = trainer.world
+    batch = context.split(trainer.cp, batch)  # this rank's chunks of every sequence under cp
     batch = {k: v.to(trainer.device, non_blocking=True) for k, v in batch.items()}
     balance = trainer.pipeline.on_forward
     if balance is not None:
@@ -211,4 +216,4 @@ def eval_loss(trainer: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     finally:
         if balance is not None:
             balance.counting = False
-    return world.all_reduce_sum_pp(loss)
+    return world.all_reduce_sum_cp(world.all_reduce_sum_pp(loss))

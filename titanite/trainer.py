@@ -167,7 +167,7 @@ class Trainer:
             lora.init_adapters(self.model, adapters.targets, adapters.cfg, self.cfg.job.seed)
             if adapters.cfg.adapter_path and not resuming:
                 lora_adapter.load_adapter(Path(adapters.cfg.adapter_path), self.model, adapters.targets, adapters.cfg,
-                                          self.cfg.model.hf_path)
+                                          self.cfg.model.hf_path, adapters.all_targets)
                 log.info("adapters start from %s", adapters.cfg.adapter_path)
         self.handle.init_buffers()
 

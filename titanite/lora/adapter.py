@@ -224,11 +224,12 @@ def check_adapter(folder: Path, targets: list[LoraTarget], cfg: LoraConfig,
 
 @torch.no_grad()
 def load_adapter(folder: Path, module: torch.nn.Module, targets: list[LoraTarget], cfg: LoraConfig,
-                 base_folder: str) -> None:
+                 base_folder: str, every: list[LoraTarget] | None = None) -> None:
     """Copy an adapter folder's factors into a LoRA model's (materialised, possibly sharded) targets,
-    after checking every name and shape against what peft would hold for this base."""
+    after checking every name and shape against what peft would hold for this base. every: the
+    whole model's targets when `module` holds only some (a pipeline stage), checked in full."""
     path = folder / WEIGHTS_NAME
-    layout = check_adapter(folder, targets, cfg, base_folder)
+    layout = check_adapter(folder, every or targets, cfg, base_folder)
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for t in targets:
             p = layout[t.key]

@@ -95,6 +95,8 @@ class Pipeline:
         self.is_last = any(p.last for p in self.parts)
         self._loss_of: LossOf | None = None
         self._train = None
+        self._told: set[tuple[int, ...]] = set()  # forward_only's boundaries whose receiver knows the shape
+        self._shapes: dict[tuple[int, ...], tuple[torch.Size, torch.dtype]] = {}
 
     def _schedule(self, n: int):
         from torch.distributed.pipelining import PipelineStage
@@ -127,42 +129,65 @@ class Pipeline:
         return self._run(self._train, batches, loss_of, first)
 
     def forward_only(self, batches: list[dict[str, torch.Tensor]], first: int = 0) -> list[torch.Tensor]:
-        """The forwards of `batches` without gradients, stage after stage (each stage runs the
-        micro-batches in order, handing each on as it is done), under any placement of the
-        stages: what the stages' forwards record is what the training pass will compute. The
-        last stage's outputs on the rank that runs it, else []."""
-        import torch.distributed as dist
-
-        pp_group = self.world.meshes["pp"].get_group()
+        """The forwards of `batches` without gradients, stage after stage, under any placement
+        of the stages: each stage receives all its inputs, runs them, then sends all its outputs,
+        so every pair of ranks sends and receives in the same order (no deadlock, whether
+        point-to-point operations complete eagerly or in issue order). What the stages' forwards
+        record is what the training pass will compute. The last stage's outputs on the rank
+        that runs it, else []."""
         holder = {k: r for r in range(self.layout.pp) for k in self.layout.stages_of(r)}
-        me, device = self.world.pp_rank, self.world.device
+        me = self.world.pp_rank
         kept: list[torch.Tensor] = []
         outputs: list[torch.Tensor] = []
         with torch.no_grad():
             for module, span in sorted(zip(self.modules, self.spans), key=lambda ms: ms[1].index):
-                src = None if span.first or holder[span.index - 1] == me else holder[span.index - 1]
-                dst = None if span.last or holder[span.index + 1] == me else holder[span.index + 1]
-                outs, sending = [], []
-                for i, b in enumerate(batches):
-                    if span.first:
-                        x = b["input_ids"]
-                    elif src is None:  # the previous stage ran on this rank
-                        x = kept[i]
-                    else:
-                        x = _recv(dist.get_global_rank(pp_group, src), device)[1]
-                    out = module(x, torch.tensor([first + i]), **{k: v for k, v in b.items() if k != "input_ids"})
-                    if dst is None:
-                        outs.append(out)
-                    else:
-                        # not waited for here: the next stage may be on a rank that is still sending
-                        # to this one (a looped placement), so a blocking send could deadlock
-                        sending += _send("", out, dist.get_global_rank(pp_group, dst), device, wait=False)
-                for work, _buffer in sending:
-                    work.wait()
+                if span.first:
+                    inputs = [b["input_ids"] for b in batches]
+                elif holder[span.index - 1] == me:  # the previous stage ran on this rank
+                    inputs = kept
+                else:
+                    inputs = [self._receive(holder[span.index - 1], span.index - 1, b) for b in batches]
+                outs = [module(x, torch.tensor([first + i]), **{k: v for k, v in b.items() if k != "input_ids"})
+                        for i, (x, b) in enumerate(zip(inputs, batches))]
                 kept = outs
                 if span.last:
                     outputs = outs
+                elif holder[span.index + 1] != me:
+                    for out, b in zip(outs, batches):
+                        self._hand_on(out, holder[span.index + 1], span.index, b)
         return outputs
+
+    def _channel(self, boundary: int, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """What both sides of a stage boundary know of a micro-batch's hidden states without
+        telling each other: the boundary and the batch's shape."""
+        return (boundary, *batch["input_ids"].shape)
+
+    def _hand_on(self, out: torch.Tensor, pp_rank: int, boundary: int, batch: dict[str, torch.Tensor]) -> None:
+        """Send a stage's output to the next stage's rank: its shape and dtype the first time this
+        boundary carries a batch of this shape (the receiver keeps them), then the data."""
+        import torch.distributed as dist
+
+        dst = dist.get_global_rank(self.world.meshes["pp"].get_group(), pp_rank)
+        key = self._channel(boundary, batch)
+        if key not in self._told:
+            self._told.add(key)
+            _send("", out, dst, self.world.device)
+        else:
+            dist.send(out.contiguous(), dst=dst)
+
+    def _receive(self, pp_rank: int, boundary: int, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(self.world.meshes["pp"].get_group(), pp_rank)
+        key = self._channel(boundary, batch)
+        if key not in self._shapes:  # the only host read: once per boundary and batch shape
+            t = _recv(src, self.world.device)[1]
+            self._shapes[key] = (t.shape, t.dtype)
+            return t
+        shape, dtype = self._shapes[key]
+        t = torch.empty(shape, dtype=dtype, device=self.world.device)
+        dist.recv(t, src=src)
+        return t
 
     def evaluate(self, batch: dict[str, torch.Tensor], loss_of: LossOf) -> torch.Tensor:
         """The forward of one batch (no gradients); its loss on the last stage, zero elsewhere."""
@@ -228,9 +253,8 @@ def to_rank_zero(world: World, tensors: Callable[[Callable], Iterator[tuple[str,
                 yield got
 
 
-def _send(key: str | None, t: torch.Tensor | None, dst: int, device: torch.device, wait: bool = True) -> list:
-    """Send a named tensor (None: the end of a stream) to `dst`: a header, the name, the data.
-    wait=False: the pending sends (each to be waited on; they keep their buffers alive)."""
+def _send(key: str | None, t: torch.Tensor | None, dst: int, device: torch.device) -> None:
+    """Send a named tensor (None: the end of a stream) to `dst`: a header, the name, the data."""
     import torch.distributed as dist
 
     header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -242,13 +266,8 @@ def _send(key: str | None, t: torch.Tensor | None, dst: int, device: torch.devic
         header[:3] = torch.tensor([len(name), _DTYPES.index(t.dtype), t.ndim])
         header[3:3 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
         parts += ([name] if len(name) else []) + [t.contiguous()]
-    parts = [p.to(device) for p in parts]
-    works = [(dist.isend(p, dst=dst), p) for p in parts]  # each with its buffer, alive until waited on
-    if wait:
-        for w, _ in works:
-            w.wait()
-        return []
-    return works
+    for p in parts:
+        dist.send(p.to(device), dst=dst)
 
 
 def _recv(src: int, device: torch.device) -> tuple[str, torch.Tensor] | None:

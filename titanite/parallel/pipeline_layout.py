@@ -213,5 +213,27 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
         if bad:
             raise UserError(f"parallelism.pp = {dims.pp} is not supported together with {what} yet; set "
                             "parallelism.pp = 1 or change that setting")
-    return resolve(dims.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), a, cfg.data.seq_len,
-                   step_microbatches, p.pp_stages_per_rank)
+    layout = resolve(dims.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), a, cfg.data.seq_len,
+                     step_microbatches, p.pp_stages_per_rank)
+    if layout.schedule.split_backward and (dims.dp > 1 or dims.cp > 1):
+        # Its weight-gradient actions run after FSDP's post-backward, which would reduce-scatter
+        # gradients that do not exist yet.
+        raise UserError(f"pp_schedule '{layout.schedule.name}' splits the backward into input and weight "
+                        f"gradients, which FSDP (data-parallel ranks: {dims.dp}, cp {dims.cp}) does not follow "
+                        "yet; use 1F1B, GPipe, Interleaved1F1B or LoopedBFS with data or context parallelism")
+    if handle.lora is not None:
+        check_stages_train(layout, [t.key for t in handle.lora.all_targets])
+    return layout
+
+
+def check_stages_train(layout: PipelineLayout, adapter_keys: list[str]) -> None:
+    """Every pipeline rank must train something: with LoRA, an adapter in one of its layers."""
+    import re
+
+    adapted = {int(m.group(1)) for k in adapter_keys if (m := re.search(r"\.layers\.(\d+)\.", k))}
+    for r in range(layout.pp):
+        layers = [i for s in layout.rank_spans(r) for i in s.layers]
+        if not adapted & set(layers):
+            raise UserError(f"pipeline rank {r} holds layers {layers[0]}-{layers[-1]}, where lora.target_modules "
+                            "adapts nothing, so it would train nothing; widen lora.target_modules, or change "
+                            "parallelism.pp_split or parallelism.pp")
