@@ -150,4 +150,4 @@ def test_smallest_world_counts_every_degree():
     """A new degree in ParallelDims (cp, pp, ...) takes ranks: titanite.plan.cli.smallest_world
     must count it, and this test then lists it."""
     assert {f.name for f in dataclasses.fields(ParallelDims)} == {"dp_replicate", "dp_shard", "tp", "ep", "world_size",
-                                                                 "cp"}
+                                                                 "cp", "pp"}
