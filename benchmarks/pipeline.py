@@ -17,7 +17,8 @@ all: seq_len 256, batch_size 1, global_batch_size 16 (16 sequences, 4,096 tokens
 
 each schedule of --schedules (default: every one titanite.parallel.pipeline_layout.SCHEDULES
 lists; 1F1B and GPipe run a stage per rank, the others 2, so 2 pp stages of 8 / (2 pp) layers)
-at `pp_microbatches = 0` (the whole step in one pass),
+at `pp_microbatches = 0` (the whole step in one pass; the zero-bubble schedules only at pp = 4,
+as titanite refuses them with FSDP),
 the stages split by the planner's balanced split (`pp_split` empty). OMP_NUM_THREADS = 1 on
 every rank: 4 ranks on this machine's cores. On a 2-core machine the 4 ranks are
 oversubscribed (2 ranks a core): the throughput is not a per-core figure, and a rank that
