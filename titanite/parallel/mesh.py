@@ -95,7 +95,8 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     def build_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
-        """The device meshes, by role. 'world' is (dp_replicate, dp_shard, cp, tp); 'dp' its
+        """The device meshes, by role. 'world' is (pp, dp_replicate, dp_shard, cp, tp); 'pp' its
+        pipeline dim and (pp > 1) 'stage' the ranks of one pipeline rank's stages; 'dp' its
         flattened data-parallel ranks; 'cp' and 'tp'; 'loss' the ranks a step's loss and token
         count are summed over (dp x cp); 'fsdp' the FSDP mesh (1-D dp_shard x cp, or 2-D
         (dp_replicate, dp_shard x cp) for HSDP). With EP, dp_shard is split into
