@@ -143,11 +143,12 @@ REHEARSED = {
     "pp 2 x tp 2": (4, {"parallelism.pp": 2, "parallelism.tp": 2}),
     "pp 2 x fsdp 2 x tp 2 + ep 2": (8, {"parallelism.pp": 2, "parallelism.tp": 2, "parallelism.ep": 2}),
     "pp 2 interleaved x fsdp 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "Interleaved1F1B"}),
-    "pp 2 zbv x hsdp 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble",
-                              "parallelism.dp_replicate": 2}),
+    "pp 2 looped x hsdp 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "LoopedBFS",
+                                 "parallelism.dp_replicate": 2}),
+    # zero-bubble schedules run without data parallelism (refused with FSDP): V placement over tp
+    "pp 2 zbv x tp 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble", "parallelism.tp": 2}),
     "pp 4 gpipe x fsdp 2": (8, {"parallelism.pp": 4, "parallelism.pp_schedule": "GPipe"}),
-    "pp 2 dualpipev x fsdp 2 + ep 2": (4, {"parallelism.pp": 2, "parallelism.pp_schedule": "DualPipeV",
-                                           "parallelism.ep": 2}),
+    "pp 2 dualpipev": (2, {"parallelism.pp": 2, "parallelism.pp_schedule": "DualPipeV"}),
     "pp 2 lora x fsdp 2": (4, {"parallelism.pp": 2, "lora.enabled": "true", "lora.rank": 4}),
 }
 
@@ -167,7 +168,6 @@ def test_each_pipeline_rank_states_are_its_real_stages(layout, untied_moe):
     for f in figures:
         params, grads, optimizer = e.pipeline.ranks[f.pp_rank].memory[:3]
         assert (f.params, f.grads, f.optimizer) == (params, grads, optimizer), (layout, f)
-    assert max(e.pipeline.ranks, key=lambda r: r.peak).memory[:3] == (e.params, e.grads, e.optimizer)
 
 
 # -- activations and traffic -----------------------------------------------------------------------
