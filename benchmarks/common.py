@@ -258,3 +258,31 @@ def write_baseline(argv: list[str], record_env: str) -> bool:
         return False
     (Path(os.environ[record_env]) / "baseline.json").write_text(json.dumps(proc_status()))
     return True
+
+
+def train_and_record(argv: list[str], marks: dict, record, me: int) -> None:
+    """A benchmark rank's run of titanite.train: `marks` gets the memory when the first save
+    begins (i.e. through the training steps) and at exit, and goes to record/rank-<me>.json;
+    the process then exits with the run's code."""
+    import json
+    import time
+
+    import torch
+
+    import titanite.trainer
+    from titanite.parallel.distributed import exit_process
+    from titanite.train import main
+
+    save = titanite.trainer.Trainer._save
+
+    def marked_save(self, *a, **kw):
+        marks.setdefault("before_save", {"t": time.time(), "step": self.step, **proc_status()})
+        return save(self, *a, **kw)
+
+    titanite.trainer.Trainer._save = marked_save
+    code = main(argv)
+    marks["exit"] = {"t": time.time(), **proc_status()}
+    marks["threads"] = torch.get_num_threads()
+    marks["rank"] = me
+    (record / f"rank-{me}.json").write_text(json.dumps(marks))
+    exit_process(code)

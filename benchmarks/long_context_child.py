@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import proc_status, write_baseline
+from common import train_and_record, write_baseline
 
 RECORD_ENV = "TITANITE_LC_RECORD"
 
@@ -36,23 +36,7 @@ def rank(argv: list[str]) -> None:
         return
     record = Path(os.environ[RECORD_ENV])
     me = int(os.environ.get("RANK", "0"))
-    import titanite.trainer
-    marks: dict = {}
-    save = titanite.trainer.Trainer._save
-
-    def marked_save(self, *a, **kw):
-        marks.setdefault("before_save", {"t": time.time(), "step": self.step, **proc_status()})
-        return save(self, *a, **kw)
-
-    titanite.trainer.Trainer._save = marked_save
-    from titanite.parallel.distributed import exit_process
-    from titanite.train import main
-
-    code = main(argv)
-    marks["exit"] = {"t": time.time(), **proc_status()}
-    marks["threads"] = __import__("torch").get_num_threads()
-    (record / f"rank-{me}.json").write_text(json.dumps(marks))
-    exit_process(code)
+    train_and_record(argv, {}, record, me)
 
 
 # -- the gather's share of a layer's attention ---------------------------------------------------

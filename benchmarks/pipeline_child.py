@@ -22,13 +22,12 @@ titanite.trainer (the floor under every rank).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from common import proc_status, write_baseline
+from common import train_and_record, write_baseline
 
 RECORD_ENV = "TITANITE_PP_RECORD"
 
@@ -112,23 +111,7 @@ def rank(argv: list[str]) -> None:
     _PipelineStageBase.backward_one_chunk = timed("bwd_s", _PipelineStageBase.backward_one_chunk)
     _PipelineStageBase.backward_weight_one_chunk = timed("bwd_w_s", _PipelineStageBase.backward_weight_one_chunk)
 
-    # -- peak memory through the steps ---------------------------------------------------------
-    save = titanite.trainer.Trainer._save
-
-    def marked_save(self, *a, **kw):
-        marks.setdefault("before_save", {"t": time.time(), "step": self.step, **proc_status()})
-        return save(self, *a, **kw)
-
-    titanite.trainer.Trainer._save = marked_save
-    from titanite.parallel.distributed import exit_process
-    from titanite.train import main
-
-    code = main(argv)
-    marks["exit"] = {"t": time.time(), **proc_status()}
-    marks["threads"] = torch.get_num_threads()
-    marks["rank"] = me
-    (record / f"rank-{me}.json").write_text(json.dumps(marks))
-    exit_process(code)
+    train_and_record(argv, marks, record, me)  # with the peak memory through the steps
 
 
 if __name__ == "__main__":
