@@ -35,6 +35,12 @@ class Elsewhere(nn.Module):
         raise RuntimeError(f"block {self.index} runs on another pipeline stage")
 
 
+def module_at(root: nn.Module, name: str) -> nn.Module | None:
+    """The submodule at dotted `name`, or None where a cut left none (keep_parts)."""
+    parent, _, attr = name.rpartition(".")
+    return getattr(root.get_submodule(parent) if parent else root, attr)
+
+
 def present(layers: nn.ModuleList) -> list[tuple[int, nn.Module]]:
     """(index, block) of the blocks this rank holds."""
     return [(i, b) for i, b in enumerate(layers) if not isinstance(b, Elsewhere)]

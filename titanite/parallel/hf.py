@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanite.config import Config
-from titanite.models.stage import present
+from titanite.models.stage import module_at, present
 from titanite.models.handle import ModelHandle
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
@@ -67,11 +67,6 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
         # wrapper is the root.
         root = model if handle.stage_parts is not None else hf
         shard_model(root, groups, world, cfg.training.mixed_precision, expert_params)
-
-
-def _has(root: nn.Module, name: str) -> bool:
-    parent, _, attr = name.rpartition(".")
-    return getattr(root.get_submodule(parent) if parent else root, attr) is not None
 
 
 class ReplicateParallel(ParallelStyle):
@@ -121,7 +116,7 @@ def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bo
         "model.norm": ReplicateParallel(),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
-    present_top = {k: v for k, v in top.items() if _has(causal_lm, k)}  # a pipeline stage's own modules
+    present_top = {k: v for k, v in top.items() if module_at(causal_lm, k) is not None}  # a pipeline stage's own modules
     parallelize_module(causal_lm, tp_mesh, present_top)
     for _, layer in present(causal_lm.model.layers):
         parallelize_module(layer, tp_mesh, adapt_plan(_layer_plan(sparse=hasattr(layer.mlp, "experts")), layer))

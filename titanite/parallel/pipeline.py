@@ -17,18 +17,15 @@ over the pipeline ranks (the others add zero), then over the data-parallel ranks
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from titanite.models.handle import ModelHandle
-from titanite.models.stage import Part
+from titanite.models.stage import Part, module_at
 from titanite.parallel.distributed import World
 from titanite.parallel.pipeline_layout import PipelineLayout
-
-log = logging.getLogger("titanite")
 
 # after a stage's forward: (its part, its output, the micro-batch's index in the step as an int64
 # [1] host tensor) -> the output to pass on (e.g. with a loss share attached)
@@ -64,12 +61,7 @@ class StageModule(nn.Module):
         root = self.handle.module
         mods = [root.get_submodule(layers)[i] for i in self.part.layers]
         named = (list(firsts) if self.part.first else []) + (list(lasts) if self.part.last else [])
-        for name in named:
-            parent, _, attr = name.rpartition(".")
-            m = getattr(root.get_submodule(parent) if parent else root, attr)
-            if m is not None:
-                mods.append(m)
-        return mods
+        return mods + [m for m in (module_at(root, name) for name in named) if m is not None]
 
     def parameters(self, recurse: bool = True):
         seen: set[int] = set()
@@ -126,7 +118,18 @@ class Pipeline:
         if self._train is None:
             self._train = self._schedule(self.layout.microbatches)
         assert len(batches) == self.layout.microbatches, (len(batches), self.layout.microbatches)
-        return self._run(self._train, batches, loss_of, first)
+        ids, kwargs = self._inputs(batches, first)
+        losses: list[torch.Tensor] = []
+        self._loss_of = loss_of
+        args = (ids,) if any(p.first for p in self.parts) else ()
+        target = kwargs["labels"] if self.is_last else None
+        try:
+            self._train.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self._loss_of = None
+        if not losses:
+            return torch.zeros((), device=self.world.device)
+        return torch.stack([l.detach().float() for l in losses]).sum()
 
     def forward_only(self, batches: list[dict[str, torch.Tensor]], first: int = 0) -> list[torch.Tensor]:
         """The forwards of `batches` without gradients, stage after stage, under any placement
@@ -196,20 +199,6 @@ class Pipeline:
             return torch.zeros((), device=self.world.device)
         with torch.no_grad():
             return loss_of(outputs[0], batch["labels"]).detach().float()
-
-    def _run(self, schedule, batches, loss_of: LossOf, first_micro: int) -> torch.Tensor:
-        ids, kwargs = self._inputs(batches, first_micro)
-        losses: list[torch.Tensor] = []
-        self._loss_of = loss_of
-        args = (ids,) if any(p.first for p in self.parts) else ()
-        target = kwargs["labels"] if self.is_last else None
-        try:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        finally:
-            self._loss_of = None
-        if not losses:
-            return torch.zeros((), device=self.world.device)
-        return torch.stack([l.detach().float() for l in losses]).sum()
 
 
 # -- exports: every stage's tensors written by rank 0 ---------------------------------------
