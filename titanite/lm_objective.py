@@ -83,4 +83,3 @@ def accumulate(trainer: Any, batches: list[dict[str, torch.Tensor]], seed_dropou
     if balance is not None:
         stats |= balance.stats()
     return total, aux_total, stats
-
