@@ -59,10 +59,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from titanite.config import load_config
-from titanite.models.flops import flops_per_token
+from titanite.core.config import load_config
 from titanite.kernels import IGNORE_INDEX
-from titanite.trainer import Trainer
+from titanite.models.flops import flops_per_token
+from titanite.run.trainer import Trainer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -270,7 +270,8 @@ def report(dtype: str, results: dict, n_params: int, peaks: tuple[float, float],
 
 def profile(args: argparse.Namespace) -> None:
     """Chrome trace and op table of a few native and hf steps (the first dtype in --dtypes)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     torch.set_num_threads(args.threads)
     dtype = args.dtypes[0]

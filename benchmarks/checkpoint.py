@@ -45,8 +45,8 @@ def build_trainer(root: Path, args: argparse.Namespace):
     import torch
     import transformers
 
-    from titanite.config import load_config
-    from titanite.trainer import Trainer
+    from titanite.core.config import load_config
+    from titanite.run.trainer import Trainer
 
     folder = root / "model"
     transformers.Qwen3Config(

@@ -236,7 +236,7 @@ def run_env(root, **extra: str) -> dict[str, str]:
 
 
 def child_baseline(root, env: dict[str, str], child, record_env: str) -> dict[str, int]:
-    """What a rank process of `child` holds once titanite.trainer is imported (its --baseline)."""
+    """What a rank process of `child` holds once titanite.run.trainer is imported (its --baseline)."""
     import json
     import sys
 
@@ -249,10 +249,10 @@ def child_baseline(root, env: dict[str, str], child, record_env: str) -> dict[st
 
 def write_baseline(argv: list[str], record_env: str) -> bool:
     """In a benchmark's rank process: with --baseline, record this process's memory once
-    titanite.trainer is imported and say so (True: the process has nothing more to do)."""
+    titanite.run.trainer is imported and say so (True: the process has nothing more to do)."""
     import json
 
-    import titanite.trainer  # noqa: F401
+    import titanite.run.trainer  # noqa: F401
 
     if argv != ["--baseline"]:
         return False
@@ -269,17 +269,17 @@ def train_and_record(argv: list[str], marks: dict, record, me: int) -> None:
 
     import torch
 
-    import titanite.trainer
+    import titanite.run.trainer
     from titanite.parallel.distributed import exit_process
     from titanite.train import main
 
-    save = titanite.trainer.Trainer._save
+    save = titanite.run.trainer.Trainer._save
 
     def marked_save(self, *a, **kw):
         marks.setdefault("before_save", {"t": time.time(), "step": self.step, **proc_status()})
         return save(self, *a, **kw)
 
-    titanite.trainer.Trainer._save = marked_save
+    titanite.run.trainer.Trainer._save = marked_save
     code = main(argv)
     marks["exit"] = {"t": time.time(), **proc_status()}
     marks["threads"] = torch.get_num_threads()

@@ -82,7 +82,7 @@ print(json.dumps({{"tokens": n, "seconds": time.perf_counter() - start}}))
 PREPARE = """
 import json, time, logging
 from pathlib import Path
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
 from titanite.data import load_tokenizer, prepare
 tok = load_tokenizer("qwen3")
 start = time.perf_counter()
@@ -125,7 +125,7 @@ def _train(store_dir: Path, out: Path, extra: list[str] = ()) -> tuple[float, fl
 
 def bench_startup(root: Path, docs: list[str], big_tokens: float) -> tuple[list[str], float]:
     sys.path.insert(0, str(REPO))
-    from titanite.config import DataConfig
+    from titanite.core.config import DataConfig
     from titanite.data import load_tokenizer, prepare
 
     tok = load_tokenizer("qwen3")
@@ -153,7 +153,7 @@ def bench_startup(root: Path, docs: list[str], big_tokens: float) -> tuple[list[
 
 def bench_loader(root: Path, docs: list[str], step_tokens_per_s: float) -> list[str]:
     sys.path.insert(0, str(REPO))
-    from titanite.config import DataConfig
+    from titanite.core.config import DataConfig
     from titanite.data import load_tokenizer
     from titanite.data.loader import make_loader
 

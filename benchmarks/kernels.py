@@ -24,7 +24,8 @@ import sys
 
 _CHILD = r"""
 import json, sys, torch
-from titanite import device as devices
+from titanite.device.choice import synchronize
+from titanite.device.memory import reset_peak_memory
 from titanite.kernels import implementations
 impl, n, h, v, device, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 torch.manual_seed(0)
@@ -39,8 +40,8 @@ fn(hidden[:2].detach().requires_grad_(), weight[:64].detach().requires_grad_(), 
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
-devices.synchronize(dev)
-devices.reset_peak_memory(dev)
+synchronize(dev)
+reset_peak_memory(dev)
 if dev.type == "cpu":
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident size (VmHWM) to the current one
@@ -48,7 +49,7 @@ base_rss = status("VmRSS")
 base_dev = torch.accelerator.memory_allocated(dev) if dev.type != "cpu" else 0
 loss = fn(hidden, weight, labels)
 loss.backward()
-devices.synchronize(dev)
+synchronize(dev)
 if dev.type == "cpu":
     peak = status("VmHWM") - base_rss
 else:

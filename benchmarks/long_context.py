@@ -18,7 +18,7 @@ Measured per run:
   the step's wall time), the median over the steps after the first;
 - peak RSS per rank: each rank's VmHWM (/proc/self/status, the kernel's high-water mark) when the
   end-of-run save begins, i.e. through the training steps; the largest over the ranks, and the
-  same above a process that only imports titanite.trainer (the floor);
+  same above a process that only imports titanite.run.trainer (the floor);
 - estimate: titanite.plan.estimate(config, world = cp).total, the planner's per-rank peak of the
   training step (what `titanite estimate --config X --world-size cp` prints), which counts tensors,
   not the process.
@@ -91,7 +91,7 @@ def baseline(root: Path, env: dict[str, str]) -> dict[str, int]:
 
 def sweep(args: argparse.Namespace, root: Path, folder: Path, data: Path, env: dict[str, str],
           base: dict[str, int]) -> list[dict]:
-    from titanite.config import load_config
+    from titanite.core.config import load_config
     from titanite.plan import estimate
 
     cores = os.cpu_count() or 1
@@ -158,7 +158,7 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
           f"query / {args.kv_heads} key-value heads of {args.head_dim}, vocabulary {args.vocab} (untied), "
           f"{params:,} parameters, fp32, random init; batch 1 x seq_len, {args.steps} steps (tokens/s: median of "
           f"steps 2..{args.steps}); OMP_NUM_THREADS = max(1, {os.cpu_count()} cores / cp)")
-    print(f"floor (a process that only imports titanite.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB")
+    print(f"floor (a process that only imports titanite.run.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB")
     print("\n| seq_len | cp | ranks x threads | tokens/s | s/step | peak RSS per rank GiB | above imports GiB "
           "| estimate per rank GiB | estimate / above imports |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")

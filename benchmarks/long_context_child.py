@@ -3,7 +3,7 @@
 - `rank(argv)`: one rank of a training run: titanite.train's main with the rank's VmHWM (the
   kernel's high-water mark of the resident set, exact) read when the end-of-run save begins
   (through the training steps) and at exit; one JSON file per rank in $TITANITE_LC_RECORD.
-  `argv == ["--baseline"]`: a process that only imports titanite.trainer, the floor under
+  `argv == ["--baseline"]`: a process that only imports titanite.run.trainer, the floor under
   every rank.
 - `gather_share(argv)`: run under torch.distributed.run on 2 (or more) gloo ranks: for one
   attention layer's shapes, the all-gather of the keys and values over the ranks against the
@@ -57,8 +57,8 @@ def gather_share(argv: list[str]) -> None:
 
     from titanite.kernels import context_parallel
     from titanite.kernels.context_parallel import Layout, gather_sequence
-    from titanite.parallel.context import GroupCollectives
     from titanite.kernels.torch_impls import sdpa
+    from titanite.parallel.context import GroupCollectives
 
     dist.init_process_group("gloo")
     me, cp = dist.get_rank(), dist.get_world_size()

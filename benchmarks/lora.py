@@ -7,7 +7,7 @@
    once with LoRA (rank 16, alpha 32, `target_modules = ["all-linear"]`). Every run is its own
    process, in the order full, lora, full, lora, ... (one pair per --repeats), so each has its own
    peak RSS (VmHWM) and machine noise shows as the spread between repeats. A baseline process
-   that imports what a run imports (titanite.config, titanite.trainer: torch, transformers) and
+   that imports what a run imports (titanite.core.config, titanite.run.trainer: torch, transformers) and
    stops is measured the same way in every repeat and subtracted. A step's time is the median
    over the steps after --warmup untimed ones, as wall time and as the process's CPU time (the
    steadier figure on a shared machine; one thread by default). After the timed steps one more
@@ -84,16 +84,16 @@ def make_inputs(root: Path, args: argparse.Namespace) -> tuple[Path, Path]:
 
 def child(args: argparse.Namespace) -> None:
     """One run in this process; prints one JSON line."""
-    from titanite.config import load_config
-    from titanite.trainer import Trainer
-
     import torch
+
+    from titanite.core.config import load_config
+    from titanite.run.trainer import Trainer
 
     torch.set_num_threads(args.threads)
     if args.child == "baseline":
         print(json.dumps({"peak": vm_hwm_bytes()}))
         return
-    from titanite.lora import counts
+    from titanite.models.lora import counts
 
     logging.getLogger("titanite").setLevel(logging.WARNING)
     overrides = {
@@ -205,7 +205,7 @@ def measure(args: argparse.Namespace) -> None:
 
 
 def estimate_rows(args: argparse.Namespace) -> None:
-    from titanite.config import load_config
+    from titanite.core.config import load_config
     from titanite.models.qwen3.args import to_hf_config
     from titanite.models.qwen3.flavors import get_flavor
     from titanite.plan import estimate

@@ -32,7 +32,7 @@ Measured per run:
   shape inference, the allocator's first growth);
 - peak RSS per rank: each rank's VmHWM (/proc/self/status, the kernel's high-water mark)
   when the end-of-run save begins, i.e. through the training steps; every rank's, and the
-  largest. The floor: a process that only imports titanite.trainer. All 4 ranks share the
+  largest. The floor: a process that only imports titanite.run.trainer. All 4 ranks share the
   machine's memory: the job's total is about the sum;
 - measured bubble: per rank and pipeline pass, 1 - compute / pass, where `pass` is the wall
   time of `Pipeline.step` (the schedule's forwards and backwards of the pass's micro-batches,
@@ -86,8 +86,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (REPO, TINY_VOCAB_HELP, add_model_args, child_baseline, launch, print_header, run_env,
-                    tiny_inputs)
+from common import REPO, TINY_VOCAB_HELP, add_model_args, child_baseline, launch, print_header, run_env, tiny_inputs
 
 CHILD = Path(__file__).resolve().parent / "pipeline_child.py"
 GIB = 2**30
@@ -204,7 +203,7 @@ def report(args: argparse.Namespace, results: list[dict], base: dict[str, int], 
               "idle in the bubble frees its core for another rank (the bubble costs less here than with a core per "
               "rank), and compute waiting for a core counts as compute (the measured bubble reads low). Memory is "
               "exact.")
-    print(f"floor (a process that only imports titanite.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB")
+    print(f"floor (a process that only imports titanite.run.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB")
     fsdp = next((r["tps"] for r in results if r["pp"] == 1 and "tps" in r), None)
     print("\n| layout | schedule | micro-batches | tokens/s | vs FSDP | tokens / CPU-s | peak RSS max GiB "
           "| peak RSS per rank GiB | measured bubble (mean; per rank) | planner bubble |")

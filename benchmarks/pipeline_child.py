@@ -17,7 +17,7 @@
   theoretical idle share), its micro-batches per pass and the stages this rank runs.
 
 One JSON file per rank in $TITANITE_PP_RECORD. `--baseline`: a process that only imports
-titanite.trainer (the floor under every rank).
+titanite.run.trainer (the floor under every rank).
 """
 
 from __future__ import annotations
@@ -38,18 +38,16 @@ def rank(argv: list[str]) -> None:
     record = Path(os.environ[RECORD_ENV])
     me = int(os.environ.get("RANK", "0"))
     import torch
-
-    import titanite.trainer
-
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from titanite.parallel import pipeline as pipeline_module
+    import titanite.run.trainer
+    from titanite.parallel import pipeline_runner as pipeline_module
 
     marks: dict = {"passes": [], "steps": [], "layout": None}
     current: dict = {"step": 0, "pass": None}
 
     # -- the steps: which step a pass belongs to -------------------------------------------
-    train_step = titanite.trainer.Trainer.train_step
+    train_step = titanite.run.trainer.Trainer.train_step
 
     def marked_step(self, *a, **kw):
         current["step"] = self.step + 1
@@ -60,7 +58,7 @@ def rank(argv: list[str]) -> None:
             marks["steps"].append({"step": current["step"], "wall_s": time.perf_counter() - w,
                                    "cpu_s": time.process_time() - c})
 
-    titanite.trainer.Trainer.train_step = marked_step
+    titanite.run.trainer.Trainer.train_step = marked_step
 
     # -- the layout the trainer resolved -------------------------------------------------------
     init = pipeline_module.Pipeline.__init__

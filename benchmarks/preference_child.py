@@ -90,8 +90,8 @@ class StepPeak:
 def titanite_child(args: argparse.Namespace) -> dict:
     import torch
 
-    from titanite.config import load_config
-    from titanite.trainer import Trainer
+    from titanite.core.config import load_config
+    from titanite.run.trainer import Trainer
 
     logging.getLogger("titanite").setLevel(logging.WARNING)
     steps = args.warmup + args.steps
@@ -147,7 +147,7 @@ def trl_child(args: argparse.Namespace) -> dict:
     from transformers import TrainerCallback
 
     sys.path.insert(0, str(REPO))
-    from titanite.device import set_host_memory_policy
+    from titanite.device.memory import set_host_memory_policy
 
     set_host_memory_policy(1)  # as titanite's single process does (see the module docstring)
     from datasets import Dataset
@@ -256,9 +256,9 @@ def imports_child(args: argparse.Namespace) -> dict:
         import tests.preference_fixtures  # noqa: F401
         from titanite.device import set_host_memory_policy  # noqa: F401
     else:
-        import titanite.config  # noqa: F401
+        import titanite.core.config  # noqa: F401
         import titanite.plan  # noqa: F401
-        import titanite.trainer  # noqa: F401
+        import titanite.run.trainer  # noqa: F401
     return {"peak": vm_hwm_bytes()}
 
 

@@ -2,7 +2,7 @@
 
 titanite builds the model on the meta device, applies the parallel plan (FSDP2 over the ranks
 here) on meta, allocates each rank's shards and only then initialises or loads them, one on-disk
-tensor at a time (titanite/checkpoint/sharded.py). Target per rank: 1.1 x (16 bytes x
+tensor at a time (titanite/formats/sharded.py). Target per rank: 1.1 x (16 bytes x
 parameters / N + the largest tensor).
 
 The model: a transformers Qwen3 (hidden 1024, 7 layers, MLP 3072, 16 / 8 heads of 64, untied
@@ -19,7 +19,7 @@ step of 1 x 64 tokens, no export, a fresh output folder, OMP_NUM_THREADS=1. Meas
   line, when the end-of-run checkpoint save begins (through the step) and at exit (the whole
   run); and RssAnon sampled every 10 ms by a thread, whose peak leaves out the memory-mapped
   safetensors pages (page cache, shared between the ranks);
-- all of it above a baseline process that only imports titanite.trainer (torch, transformers),
+- all of it above a baseline process that only imports titanite.run.trainer (torch, transformers),
   measured by the same wrapper.
 
 Next to each row: the target, and `titanite estimate`'s per-rank figure for the same overrides
@@ -77,13 +77,13 @@ def rank_child(argv: list[str]) -> None:
             time.sleep(0.01)
 
     threading.Thread(target=sample, daemon=True).start()
-    import titanite.trainer
+    import titanite.run.trainer
 
     if argv == ["--baseline"]:
         (record / "baseline.json").write_text(json.dumps({"exit": {**proc_status(), "peak_anon": peak_anon[0]}}))
         return
     marks: dict = {}
-    start = titanite.trainer.Trainer._start
+    start = titanite.run.trainer.Trainer._start
 
     def timed_start(self, ready):
         start(self, ready)  # ends with the "model qwen3: ... parameters" log line
@@ -98,15 +98,15 @@ def rank_child(argv: list[str]) -> None:
             sys.stderr.flush()
             os._exit(0)
 
-    save = titanite.trainer.Trainer._save
+    save = titanite.run.trainer.Trainer._save
 
     def marked_save(self):
         marks.setdefault("before_save", {"t": time.time(), **proc_status(), "peak_anon": peak_anon[0]})
         return save(self)
 
-    titanite.trainer.Trainer._start = timed_start
-    titanite.trainer.Trainer._save = marked_save
-    mark_phases(titanite.trainer, phase)
+    titanite.run.trainer.Trainer._start = timed_start
+    titanite.run.trainer.Trainer._save = marked_save
+    mark_phases(titanite.run.trainer, phase)
     from titanite.parallel.distributed import exit_process
     from titanite.train import main
 
@@ -276,7 +276,7 @@ def main() -> None:
         make_model(args)
         return
 
-    from titanite.config import load_config
+    from titanite.core.config import load_config
     from titanite.plan import estimate
 
     print(machine())
@@ -295,7 +295,7 @@ def main() -> None:
         folder, data = make_inputs(root, args, env)
         print(f"inputs written in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         base = baseline(root, env)
-        print(f"baseline (import titanite.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB, RssAnon "
+        print(f"baseline (import titanite.run.trainer): VmHWM {base['VmHWM'] / GIB:.2f} GiB, RssAnon "
               f"{base['RssAnon'] / GIB:.2f} GiB", flush=True)
         for init in args.inits:
             for ranks in args.ranks:

@@ -16,10 +16,9 @@ import torch
 
 from tests.conftest import TINY_MOE, make_hf_checkpoint, tiny_train_args
 from titanite.checkpoint import training_state
-from titanite.config import load_config
-from titanite.export import load_checkpoint_model
-from titanite.trainer import Trainer
-
+from titanite.commands.export import load_checkpoint_model
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 STEPS = 4
 # MoE with a dense layer too (mlp_only_layers), so dense MLP and expert adapters are both there.

@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titanite import cli
-from titanite.checkpoint import manifest, training_state
-from titanite.files import file_digest
 from tests.conftest import make_hf_checkpoint, read_metrics, tiny_train_args, write_corpus
+from titanite import cli
+from titanite.checkpoint import training_state
+from titanite.core.files import file_digest
+from titanite.formats import manifest
 
 
 def titanite(capsys, *argv: str) -> tuple[int, str]:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from titanite.checkpoint import safetensors_io
-from titanite.checkpoint.sharded import local_part
-from titanite.config import load_config
+from titanite.core.config import load_config
+from titanite.formats import safetensors_io
+from titanite.formats.sharded import local_part
 from titanite.parallel.distributed import exit_process
-from titanite.trainer import Trainer
+from titanite.run.trainer import Trainer
 
 
 class _Counted:

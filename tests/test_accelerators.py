@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
-from titanite import accelerators
-from titanite import device as devices
 from titanite.cli import main as cli_main
-from titanite.config import load_config
+from titanite.core.config import load_config
+from titanite.device import accelerators
+from titanite.device import peak as device_peak
+from titanite.device.peak import Peak, device_name, peak_flops
 from titanite.parallel.mesh import ParallelDims
 
 META = torch.device("meta")  # a non-CPU device that needs no hardware; its name is patched in
@@ -72,32 +73,32 @@ def test_table_holds_the_documented_numbers():
 
 
 def test_device_name_asks_the_device_module(monkeypatch):
-    assert devices.device_name(torch.device("cpu")) is None
-    assert devices.device_name(META) is None  # no torch.meta module
+    assert device_name(torch.device("cpu")) is None
+    assert device_name(META) is None  # no torch.meta module
     fake = SimpleNamespace(get_device_name=lambda index=None: f"Fake Accelerator {index}")
     monkeypatch.setattr(torch, "xpu", fake)
-    assert devices.device_name(torch.device("xpu", 1)) == "Fake Accelerator 1"
+    assert device_name(torch.device("xpu", 1)) == "Fake Accelerator 1"
 
 
 def _no_measuring(monkeypatch):
-    monkeypatch.setattr(devices, "measured_peak", lambda *a, **kw: pytest.fail("measured a peak"))
+    monkeypatch.setattr(device_peak, "measured_peak", lambda *a, **kw: pytest.fail("measured a peak"))
 
 
 def test_peak_comes_from_the_table_by_the_reported_name(monkeypatch):
     _no_measuring(monkeypatch)
-    monkeypatch.setattr(devices, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    bf16 = devices.peak_flops(META, torch.bfloat16)
+    monkeypatch.setattr(device_peak, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    bf16 = peak_flops(META, torch.bfloat16)
     assert bf16.flops == 989e12 and bf16.source == "H100 table, bf16"
-    assert devices.peak_flops(META, torch.float32).flops == 67e12
-    configured = devices.peak_flops(META, torch.bfloat16, configured_tflops=123.0)  # configured beats the table
+    assert peak_flops(META, torch.float32).flops == 67e12
+    configured = peak_flops(META, torch.bfloat16, configured_tflops=123.0)  # configured beats the table
     assert configured.flops == 123e12 and configured.source == "metrics.peak_tflops"
 
 
 def test_an_unknown_device_is_measured_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(devices, "device_name", lambda device: "Mystery Accelerator 9000")
-    monkeypatch.setattr(devices, "measured_peak", lambda device, dtype, refresh=False: devices.Peak(5e12, "measured"))
+    monkeypatch.setattr(device_peak, "device_name", lambda device: "Mystery Accelerator 9000")
+    monkeypatch.setattr(device_peak, "measured_peak", lambda device, dtype, refresh=False: Peak(5e12, "measured"))
     with caplog.at_level(logging.WARNING, logger="titanite"):
-        peak = devices.peak_flops(META, torch.bfloat16)
+        peak = peak_flops(META, torch.bfloat16)
     assert peak.source == "measured"
     assert "Mystery Accelerator 9000" in caplog.text and "metrics.peak_tflops" in caplog.text
 
@@ -147,7 +148,7 @@ def test_estimate_defaults_to_the_smallest_world_the_layout_allows(capsys, overr
 
 
 def test_smallest_world_counts_every_degree():
-    """A new degree in ParallelDims (cp, pp, ...) takes ranks: titanite.plan.cli.smallest_world
+    """A new degree in ParallelDims (cp, pp, ...) takes ranks: titanite.commands.estimate.smallest_world
     must count it, and this test then lists it."""
     assert {f.name for f in dataclasses.fields(ParallelDims)} == {"dp_replicate", "dp_shard", "tp", "ep", "world_size",
                                                                  "cp", "pp"}

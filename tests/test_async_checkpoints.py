@@ -17,11 +17,11 @@ import time
 
 import pytest
 
-from titanite.checkpoint import saving, training_state
-from titanite.trainer import Trainer
 from tests.conftest import read_metrics, tiny_train_args
 from tests.reliability_fixtures import assert_same_checkpoints, losses, refused, train
 from tests.test_distributed import torchrun
+from titanite.checkpoint import saving, training_state
+from titanite.run.trainer import Trainer
 
 pytest_plugins = ["tests.reliability_fixtures"]
 

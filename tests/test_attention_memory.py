@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_VOCAB, make_hf_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import titanite
-from conftest import TINY_VOCAB, make_hf_checkpoint
 from titanite.kernels import block_causal_mask
 from titanite.kernels.reference_ops import attention as reference
 from titanite.kernels.torch_impls import document_spans, sdpa

@@ -13,12 +13,12 @@ import tokenizers
 import transformers
 
 from tests.chat_fixtures import qwen3_chat_template, qwen3_tokenizer_dir, write_jsonl
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data import load_tokenizer
 from titanite.data.chat import IGNORE_INDEX, ChatStats, chat_samples, tokenize_conversation
 from titanite.data.chat_template import find_chat_template
 from titanite.data.loader import PackedLoader
-from titanite.errors import UserError
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -240,7 +240,7 @@ def test_missing_chat_template_names_the_tokenizer(tmp_path, tiny_tokenizer_dir)
 
 
 def test_chat_config_rejects_stream_packing():
-    from titanite.config import load_config
+    from titanite.core.config import load_config
 
     with pytest.raises(UserError, match="data.packing"):
         load_config(None, ["--data.format=chat", "--data.packing=stream"])

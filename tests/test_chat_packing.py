@@ -12,14 +12,14 @@ import transformers
 import titanite
 from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
-from titanite.config import DataConfig, load_config
+from titanite.core.config import DataConfig, load_config
+from titanite.core.errors import UserError
 from titanite.data import load_tokenizer
 from titanite.data.chat import IGNORE_INDEX, ChatStats, chat_samples
 from titanite.data.loader import PackedLoader
-from titanite.errors import UserError
 from titanite.kernels import reference
 from titanite.models.qwen3.handle import Qwen3Model
-from titanite.trainer import Trainer
+from titanite.run.trainer import Trainer
 
 SEQ = 128
 

@@ -7,8 +7,8 @@ import tomllib
 import pytest
 
 from tests.conftest import run_cli
-from titanite.config import Config, load_config, to_toml
-from titanite.errors import UserError
+from titanite.core.config import Config, load_config, to_toml
+from titanite.core.errors import UserError
 
 
 def test_defaults_toml_and_typed_overrides(tmp_path):

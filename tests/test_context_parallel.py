@@ -16,12 +16,24 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, read_metrics
-from tests.test_distributed import (_env, args_for, assert_same_export, assert_same_run, data, dense,  # noqa: F401
-                                    layout_params, moe, resume_dir, run_layout, single_process, torchrun)
-from titanite.config import load_config
-from titanite.errors import UserError
-from titanite.trainer import Trainer
+from tests.test_distributed import (  # noqa: F401
+    _env,
+    args_for,
+    assert_same_export,
+    assert_same_run,
+    data,
+    dense,
+    layout_params,
+    moe,
+    resume_dir,
+    run_layout,
+    single_process,
+    torchrun,
+)
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
 from titanite.parallel.context import local_index
+from titanite.run.trainer import Trainer
 
 DOCS = {"data.packing": "documents"}
 
@@ -137,7 +149,7 @@ def test_dynamic_rope_under_cp_is_refused(dense):
 
 
 def test_cp_that_does_not_divide_the_world_is_refused():
-    from titanite.config import ParallelismConfig
+    from titanite.core.config import ParallelismConfig
     from titanite.parallel.mesh import ParallelDims
 
     with pytest.raises(UserError, match=r"cp \(3\) x tp \(1\) = 3 does not divide the world size 4"):

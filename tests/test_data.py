@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data import PackedLoader, SourceStats, iter_documents, load_tokenizer
-from titanite.errors import UserError
 
 WORDS = "alpha beta gamma delta tensor kernel shard rank epoch token window loss".split()
 

@@ -11,13 +11,7 @@ import pytest
 
 from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import REPO, make_hf_checkpoint, read_metrics, tiny_train_args
-from tests.device_runs import (
-    assert_same_losses,
-    on_tdev,
-    torchrun_on_tdev,
-    train_on_cpu,
-    train_on_tdev,
-)
+from tests.device_runs import assert_same_losses, on_tdev, torchrun_on_tdev, train_on_cpu, train_on_tdev
 
 # -- the three seed setups --------------------------------------------------------------------
 # name: (config, overrides on both sides, overrides on tdev only, environment on tdev, log lines on tdev)
@@ -196,7 +190,7 @@ def test_the_test_device_is_its_own_device():
 def test_device_id_goes_only_to_backends_that_take_it():
     import torch
 
-    from titanite.device import process_group_kwargs
+    from titanite.device.choice import process_group_kwargs
 
     gpu = torch.device("cuda", 1)
     assert process_group_kwargs(gpu, "cpu:gloo,cuda:nccl") == {"device_id": gpu}

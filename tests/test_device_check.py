@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from titanite import device_check
+from titanite.commands import device as device_check
 from titanite.kernels.registry import OPS
 
 COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single",

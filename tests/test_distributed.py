@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, TINY_MOE, corpus_texts, make_hf_checkpoint, read_metrics, tiny_train_args
-from titanite.config import load_config
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 LOSS_TOL = 1e-5
 

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 
 from tests.conftest import TINY_MOE
 from titanite import kernels
-from titanite.config import ParallelismConfig, load_config
-from titanite.errors import UserError
+from titanite.core.config import ParallelismConfig, load_config
+from titanite.core.errors import UserError
 from titanite.models.qwen3.args import Qwen3Args, to_hf_config
 from titanite.models.qwen3.model import Qwen3
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan import estimate
-from titanite.plan import main as estimate_main
+from titanite.commands.estimate import main as estimate_main
 
 DENSE = Qwen3Args(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16)
@@ -61,7 +61,7 @@ def test_degrees_that_do_not_divide_the_model_are_refused(args, overrides, messa
 
 
 def test_trainer_refuses_a_bad_layout_before_any_work(tmp_path, monkeypatch, tiny_hf, tiny_data):
-    from titanite.trainer import Trainer
+    from titanite.run.trainer import Trainer
 
     # What torchrun --nproc_per_node=2 sets; the check comes before any process group.
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -209,7 +209,7 @@ def test_estimate_and_training_accept_the_same_expert_parallel_layouts(tmp_path,
     does not divide the experts are refused by both with the same message."""
     from tests.conftest import make_hf_checkpoint
     from titanite.models.spec import get_spec
-    from titanite.preflight import check_layout
+    from titanite.run.preflight import check_layout
 
     moe = make_hf_checkpoint(tmp_path / "moe", **TINY_MOE)
     cases = {(moe, 2): None, (tiny_hf, 2): "is dense", (moe, 8): r"parallelism.ep \(8\) must divide num_experts \(4\)"}

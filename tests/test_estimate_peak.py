@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import REPO, TINY_MOE, make_hf_checkpoint, tiny_train_args, write_corpus
 from tests.test_distributed import _env
-from titanite.config import load_config
+from titanite.core.config import load_config
 from titanite.plan import estimate
 
 VOCAB = 8192

@@ -13,11 +13,11 @@ import transformers
 
 from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import make_hf_checkpoint, read_metrics, tiny_train_args
-from titanite.config import DataConfig, load_config
+from titanite.core.config import DataConfig, load_config
+from titanite.core.errors import UserError
 from titanite.data import load_tokenizer
 from titanite.data.chat import IGNORE_INDEX, ChatStats, chat_samples
-from titanite.errors import UserError
-from titanite.trainer import Trainer
+from titanite.run.trainer import Trainer
 
 HELD_OUT = ["the optimizer reads small batches of data", "tokens predict the loss on every step",
             "training data and the model and the next token"] * 6

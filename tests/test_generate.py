@@ -15,11 +15,18 @@ from transformers.generation.logits_process import TopPLogitsWarper
 import titanite
 from tests.chat_fixtures import TOY_QA, make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import TINY_MOE, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, tiny_train_args
-from titanite.config import load_config
-from titanite.errors import UserError
-from titanite.generate import (Sampling, forward_cached, generate, load_generator, new_cache, sample_next,
-                               top_p_filter)
-from titanite.trainer import Trainer
+from titanite.commands.generate import (
+    Sampling,
+    forward_cached,
+    generate,
+    load_generator,
+    new_cache,
+    sample_next,
+    top_p_filter,
+)
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
+from titanite.run.trainer import Trainer
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -14,14 +14,22 @@ import transformers
 from safetensors.torch import load_file
 
 import titanite
-from tests.conftest import (REPO, TINY_MOE, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, stop_after,
-                            tiny_train_args, transformers_model)
-from titanite.config import ModelConfig, load_config
-from titanite.errors import UserError
+from tests.conftest import (
+    REPO,
+    TINY_MOE,
+    TINY_VOCAB,
+    make_hf_checkpoint,
+    read_metrics,
+    run_cli,
+    stop_after,
+    tiny_train_args,
+    transformers_model,
+)
+from titanite.core.config import ModelConfig, load_config
+from titanite.core.errors import UserError
 from titanite.models.handle import handle_of
 from titanite.models.spec import get_spec
-from titanite.trainer import Trainer
-
+from titanite.run.trainer import Trainer
 
 
 def ids(shape=(2, 33), seed=1):
@@ -137,7 +145,7 @@ def test_remote_code_runs_only_when_trusted(tmp_path):
     model = get_spec("hf").build(ModelConfig(spec="hf", hf_path=str(folder))).module
     assert type(model.hf) is transformers.Qwen3ForCausalLM and not marker.exists()
     # Trusted, in a child process so the dynamic-module cache stays under tmp_path.
-    code = ("from titanite.config import ModelConfig; from titanite.models.spec import get_spec; "
+    code = ("from titanite.core.config import ModelConfig; from titanite.models.spec import get_spec; "
             f"m = get_spec('hf').build(ModelConfig(spec='hf', hf_path={str(folder)!r}, trust_remote_code=True)); "
             "print(type(m.module.hf).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO, TINY_MOE, TINY_VOCAB, counting, make_hf_checkpoint
 
 import titanite
-from conftest import REPO, TINY_MOE, TINY_VOCAB, counting, make_hf_checkpoint
 from titanite import kernels
 from titanite.kernels import chunked_loss, registry
 

@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import REPO, counting, run_cli
+
 from titanite import kernels
-from titanite.errors import UserError
+from titanite.core.errors import UserError
 from titanite.kernels import registry
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.models.qwen3.model import Qwen3

@@ -11,7 +11,6 @@ import sys
 import tomllib
 
 import pytest
-
 from conftest import REPO, read_metrics, run_cli
 
 SEEDS = ("seed-hf", "seed-native", "seed-moe-kernels")
@@ -48,9 +47,9 @@ def test_every_tiny_seed_trains_under_both_specs_with_one_key_changed(tmp_path, 
     tolerance, 1e-4 relative) and the user's plugin kernel called the same number of times."""
     import importlib
 
-    from titanite.config import load_config
+    from titanite.core.config import load_config
     from titanite.kernels import registry
-    from titanite.trainer import Trainer
+    from titanite.run.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(REPO / "examples" / "custom_kernel"))
     importlib.import_module("titanite_example_kernels")  # registered once; the trainer's import is a no-op

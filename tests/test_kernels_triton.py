@@ -14,8 +14,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from conftest import run_cli  # noqa: E402
+
 from titanite import kernels  # noqa: E402
 from titanite.kernels.verify import verify  # noqa: E402
 

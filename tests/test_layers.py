@@ -20,7 +20,11 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGE = REPO / "titanite"
-FORBIDDEN_FOR_MODELS = ("titanite.parallel", "titanite.trainer", "torch.distributed")
+# The only modules at titanite/'s top level: the package, the CLI dispatch, `python -m titanite.train`
+# and the Python API. Everything else lives in its layer's package.
+ENTRY_POINTS = ("titanite", "titanite.cli", "titanite.train", "titanite.api")
+MAX_TOP_LEVEL = 6
+FORBIDDEN_FOR_MODELS = ("titanite.parallel", "titanite.run.trainer", "torch.distributed")
 
 
 def _module_name(path: Path) -> str:
@@ -196,31 +200,29 @@ def test_the_circle_check_finds_a_circle():
 
 # -- the layer table -------------------------------------------------------------------------------
 
-# docs/architecture.md's layer table as data, bottom up. layer: (its modules: names or packages,
-# what it may import besides itself: layers or modules).
+# docs/architecture.md's layer table as data, bottom up: one package per layer, and the entry points
+# at titanite/'s top level. layer: (its package or modules, what it may import besides itself).
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "foundation": (("titanite.config", "titanite.config_schema", "titanite.config_checks", "titanite.errors",
-                    "titanite.files", "titanite.procs", "titanite.procs_forkserver"), ()),
-    "device": (("titanite.device", "titanite.accelerators"), ("foundation",)),
-    "kernels": (("titanite.kernels",), ("foundation",)),
-    "formats": (("titanite.checkpoint.safetensors_io", "titanite.checkpoint.safetensors_stream",
-                 "titanite.checkpoint.hf_weights", "titanite.checkpoint.sharded", "titanite.checkpoint.manifest",
-                 "titanite.checkpoint.dcp_safe"), ("foundation",)),
-    "model": (("titanite.models", "titanite.lora"), ("kernels", "formats", "foundation")),
-    "parallel": (("titanite.parallel",), ("model", "kernels", "formats", "device", "foundation")),
-    "data": (("titanite.data",), ("titanite.kernels.reference_ops", "foundation")),
-    "state": (("titanite.checkpoint",), ("parallel", "formats", "device", "foundation")),
-    "run": (("titanite.preflight", "titanite.trainer", "titanite.eval", "titanite.harness", "titanite.optim",
-             "titanite.metrics", "titanite.trackers", "titanite.runlock", "titanite.plan", "titanite.preference",
-             "titanite.run_export", "titanite.lm_objective", "titanite.lm_pipeline"),
-            ("state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
-    "commands": (("titanite", "titanite.cli", "titanite.train", "titanite.api", "titanite.export",
-                  "titanite.generate", "titanite.eval_command", "titanite.device_check",
-                  "titanite.plot"),
-                 ("run", "state", "data", "parallel", "model", "formats", "kernels", "device", "foundation")),
+    "core": (("titanite.core",), ()),
+    "device": (("titanite.device",), ("core",)),
+    "kernels": (("titanite.kernels",), ("core",)),
+    "formats": (("titanite.formats",), ("core",)),
+    "models": (("titanite.models",), ("kernels", "formats", "core")),
+    "parallel": (("titanite.parallel",), ("models", "kernels", "formats", "device", "core")),
+    "data": (("titanite.data",), ("titanite.kernels.reference_ops", "core")),
+    "checkpoint": (("titanite.checkpoint",), ("parallel", "formats", "device", "core")),
+    "evaluation": (("titanite.evaluation",), ("data", "parallel", "models", "formats", "kernels", "device", "core")),
+    "run": (("titanite.run",),
+            ("evaluation", "checkpoint", "data", "parallel", "models", "formats", "kernels", "device", "core")),
+    "plan": (("titanite.plan",),
+             ("run", "evaluation", "checkpoint", "data", "parallel", "models", "formats", "kernels", "device", "core")),
+    "commands": (("titanite.commands",), ("titanite.api", "plan", "run", "evaluation", "checkpoint", "data", "parallel", "models",
+                                          "formats", "kernels", "device", "core")),
+    "entry": (ENTRY_POINTS, ("commands", "plan", "run", "evaluation", "checkpoint", "data", "parallel", "models",
+                             "formats", "kernels", "device", "core")),
 }
-# Single modules allowed more than their layer: the kernel tools that run ops on a device.
-EXTRA = {"titanite.kernels.cli": ("device",), "titanite.kernels.bench": ("device",)}
+# Single modules allowed more than their layer: the kernel benchmark times ops on a device.
+EXTRA = {"titanite.kernels.bench": ("device",)}
 
 
 def _owner(module: str, layers: dict) -> str | None:
@@ -264,3 +266,43 @@ def test_the_layer_check_names_each_violation():
         "pkg.stray is in no layer of the table",
     ]
     assert layer_violations({"pkg.low.a": {"pkg.high.b"}}, layers, {"pkg.low.a": ("high",)}) == []
+
+
+# -- one package per layer -------------------------------------------------------------------------
+
+
+def package_violations(modules: set[str], layers: dict, entry: tuple[str, ...], most: int) -> list[str]:
+    """Each layer but the entry points is one package; the top level holds only the entry points
+    (at most `most` modules); every package directly under titanite/ is a layer's."""
+    found = []
+    for layer, (members, _) in layers.items():
+        if members != entry and (len(members) != 1 or not any(m.startswith(members[0] + ".") for m in modules)):
+            found.append(f"layer {layer} is not one package: {', '.join(members)}")
+    top = sorted(m for m in modules if m.count(".") == 1 and not any(o.startswith(m + ".") for o in modules))
+    found += [f"{m} sits at titanite/'s top level but is no entry point; move it to its layer's package"
+              for m in top if m not in entry]
+    if len(top) + 1 > most:
+        found.append(f"{len(top) + 1} modules at titanite/'s top level (at most {most})")
+    packages = {".".join(m.split(".")[:2]) for m in modules if m.count(".") >= 2}
+    owned = {members[0] for members, _ in layers.values() if members != entry}
+    found += [f"package {p} is no layer's" for p in sorted(packages - owned)]
+    return found
+
+
+def test_each_layer_is_one_package_and_the_top_level_holds_only_entry_points():
+    modules = set(import_graph())
+    assert "titanite.run.trainer" in modules
+    violations = package_violations(modules, LAYERS, ENTRY_POINTS, MAX_TOP_LEVEL)
+    assert not violations, "\n".join(violations)
+
+
+def test_the_package_check_finds_a_stray_module_and_a_split_layer():
+    layers = {"low": (("t.low",), ()), "mid": (("t.mid", "t.other"), ("low",)), "entry": (("t", "t.cli"), ("low",))}
+    modules = {"t", "t.cli", "t.low", "t.low.a", "t.mid", "t.mid.b", "t.other", "t.other.c", "t.stray", "t.extra.d"}
+    assert package_violations(modules, layers, ("t", "t.cli"), 2) == [
+        "layer mid is not one package: t.mid, t.other",
+        "t.stray sits at titanite/'s top level but is no entry point; move it to its layer's package",
+        "3 modules at titanite/'s top level (at most 2)",
+        "package t.extra is no layer's",
+        "package t.other is no layer's",
+    ]

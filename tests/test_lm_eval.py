@@ -113,9 +113,9 @@ def test_each_loglikelihood_and_generation_equals_lm_evals_hf_model(bench, how):
     import torch
     from lm_eval.tasks import TaskManager
 
-    import titanite.eval_command  # noqa: F401  registers model "titanite"
+    import titanite.commands.eval  # noqa: F401  registers model "titanite"
     from titanite.api import load_pretrained
-    from titanite.harness import TitaniteLM, greedy_decoder
+    from titanite.evaluation.harness import TitaniteLM, greedy_decoder
 
     if how == "registered":
         model, args = "titanite", f"pretrained={bench['hf']},batch_size=4"
@@ -150,8 +150,8 @@ def test_in_loop_eval_tasks_log_scores_at_the_interval(bench, tmp_path, tiny_dat
     oracle = lm_eval_hf(out / "hf", ["tiny_mc"], bench["tasks"])  # the weights the last evaluation saw
     assert_same_scores(rows[-1], oracle, stderr=False)
 
-    from titanite.eval_command import TitaniteFolderLM
-    from titanite.harness import evaluate, scores
+    from titanite.commands.eval import TitaniteFolderLM
+    from titanite.evaluation.harness import evaluate, scores
 
     # --model given a run folder: its latest checkpoint, the same weights again.
     assert_same_scores(scores(evaluate(TitaniteFolderLM(str(out)), ["tiny_mc"], str(bench["tasks"]))), oracle)
@@ -159,9 +159,9 @@ def test_in_loop_eval_tasks_log_scores_at_the_interval(bench, tmp_path, tiny_dat
 
 def test_bad_input_is_one_message_and_exit_2(bench, tmp_path, capsys):
     from titanite.cli import main
-    from titanite.config import load_config
-    from titanite.errors import UserError
-    from titanite.preflight import preflight
+    from titanite.core.config import load_config
+    from titanite.core.errors import UserError
+    from titanite.run.preflight import preflight
 
     def fails(*args: str) -> str:
         assert main(["eval", *args]) == 2

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from tests.conftest import read_metrics, run_cli
 from tests.lora_fixtures import CASES, IDS, KINDS, STEPS, base_model, ids, lora_args, titanite_logits
 from titanite.checkpoint import training_state
-from titanite.config import load_config
-from titanite.export import load_checkpoint_model
-from titanite.trainer import Trainer
+from titanite.commands.export import load_checkpoint_model
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 pytest_plugins = ["tests.lora_fixtures"]
 
@@ -96,7 +96,7 @@ def test_both_backends_train_the_same_losses(runs, kind):
 
 @pytest.mark.parametrize("spec,kind", CASES, ids=IDS)
 def test_checkpoint_holds_only_adapters_and_their_optimizer_state(runs, spec, kind):
-    from titanite.checkpoint import dcp_safe
+    from titanite.formats import dcp_safe
 
     ckpt = training_state.latest_checkpoint(runs[spec, kind] / "checkpoints")
     keys = dcp_safe.read_metadata(ckpt).state_dict_metadata.keys()
@@ -134,7 +134,7 @@ def test_generate_from_the_run_and_from_the_adapter(runs, bases, spec, kind):
     tokens as peft's model does with transformers' generate."""
     from peft import PeftModel
 
-    from titanite.generate import Sampling, generate, load_generator
+    from titanite.commands.generate import Sampling, generate, load_generator
 
     run = runs[spec, kind]
     prompt = [5, 17, 42, 7]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanite.config import load_config
-from titanite.errors import UserError
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
 from titanite.plan import estimate
-from titanite.plan import main as estimate_main
+from titanite.commands.estimate import main as estimate_main
 from titanite.plan.lora import ATTENTION, EXPERTS
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -219,7 +219,7 @@ def _saved_bytes(folder: str, lo, batch: int, seq: int) -> int:
     import json
     from pathlib import Path
 
-    from titanite.lora import freeze_base, init_adapters, native
+    from titanite.models.lora import freeze_base, init_adapters, native
     from titanite.models.qwen3.args import from_hf_config
     from titanite.models.qwen3.model import Qwen3
 

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import read_metrics
 from tests.lora_fixtures import lora_args
-from titanite.config import load_config
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 pytest_plugins = ["tests.lora_fixtures"]
 

@@ -17,10 +17,10 @@ import pytest
 from tests.conftest import make_hf_checkpoint, read_metrics, run_cli, tiny_train_args
 from tests.lora_fixtures import lora_args
 from titanite.checkpoint import training_state
-from titanite.config import load_config
-from titanite.errors import UserError
-from titanite.export import export_checkpoint
-from titanite.trainer import Trainer
+from titanite.commands.export import export_checkpoint
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
+from titanite.run.trainer import Trainer
 
 pytest_plugins = ["tests.lora_fixtures"]
 
@@ -60,7 +60,7 @@ def test_export_merged_without_lora_is_refused(bases, data, tmp_path):
 
 def test_hf_expert_parallel_with_expert_adapters_is_refused(bases, data, tmp_path):
     with pytest.raises(UserError, match="cannot be sharded by expert parallelism"):
-        from titanite.preflight import preflight
+        from titanite.run.preflight import preflight
 
         preflight(load_config(None, lora_args(bases["moe"], data, tmp_path / "run",
                                               **{"model.spec": "hf", "parallelism.ep": 2})), world_size=2)

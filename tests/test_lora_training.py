@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import make_hf_checkpoint, read_metrics, run_cli, stop_after
 from tests.lora_fixtures import base_model, ids, lora_args
-from titanite.config import load_config
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 pytest_plugins = ["tests.lora_fixtures"]
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from tests.conftest import corpus_texts, make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
-from titanite.config import DataConfig, load_config
+from titanite.core.config import DataConfig, load_config
+from titanite.core.errors import UserError
 from titanite.data.loader import make_loader
 from titanite.data.tokenizer import load_tokenizer
-from titanite.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_ranks_split_the_same_global_order_and_resume_on_another_world_size(tmp_
 
 @pytest.mark.parametrize("mode", ["mixture", "streaming"])
 def test_training_resumes_exactly(tmp_path, sources, tiny_tokenizer_dir, mode):
-    from titanite.trainer import Trainer
+    from titanite.run.trainer import Trainer
 
     hf = make_hf_checkpoint(tmp_path / "hf", tiny_tokenizer_dir)
     if mode == "mixture":
@@ -158,7 +158,7 @@ def test_streaming_resumes_exactly_from_any_point(tmp_path, sources, tiny_tokeni
 
 
 def test_a_missing_source_is_refused_before_any_work(tmp_path, sources, tiny_tokenizer_dir):
-    from titanite.preflight import preflight
+    from titanite.run.preflight import preflight
 
     hf = make_hf_checkpoint(tmp_path / "hf", tiny_tokenizer_dir)
     bad = [sources[0], {"path": str(tmp_path / "nope.jsonl"), "weight": 1.0}]
@@ -234,7 +234,7 @@ def test_prefetch_serves_the_same_batches_and_the_position_of_those_taken(tmp_pa
 
 def test_evaluation_of_a_chat_mixture_reads_chat(tmp_path, tiny_tokenizer_dir):
     from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
-    from titanite.eval import Evaluator
+    from titanite.evaluation.heldout import Evaluator
 
     tok_dir = make_chat_tokenizer(tmp_path / "tok")
     chat = write_jsonl(tmp_path / "chat.jsonl", toy_conversations(4))

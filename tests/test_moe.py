@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from titanite import kernels
-from titanite.config import ModelConfig
-from titanite.errors import UserError
+from titanite.core.config import ModelConfig
+from titanite.core.errors import UserError
 from titanite.kernels.attach import default_impl
 from titanite.kernels.routing import expert_counts
 from titanite.models.qwen3.flavors import get_flavor

@@ -17,14 +17,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import (TINY_MOE, assert_grads_match, make_hf_checkpoint, read_metrics, tiny_train_args,
-                            transformers_model)
+from tests.conftest import (
+    TINY_MOE,
+    assert_grads_match,
+    make_hf_checkpoint,
+    read_metrics,
+    tiny_train_args,
+    transformers_model,
+)
 from tests.test_distributed import assert_same_run, data, torchrun  # noqa: F401
-from titanite import lm_objective
-from titanite.config import load_config
-from titanite.errors import UserError
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
 from titanite.kernels import IGNORE_INDEX
-from titanite.trainer import Trainer
+from titanite.run import lm_step
+from titanite.run.trainer import Trainer
 
 COEF = 0.05  # large enough that the balance term moves the gradients well above fp32 noise
 GLOBAL = {"model.aux_loss_scope": "global_batch", "training.batch_size": 2, "training.global_batch_size": 8,
@@ -65,7 +71,7 @@ def test_global_batch_step_equals_one_batch_reference(spec, checkpointing, moe, 
     try:
         assert trainer.accum == 4
         batches = [trainer.loader.next_batch() for _ in range(trainer.accum)]
-        total, aux, stats = lm_objective.accumulate(trainer, batches, lambda micro: None)
+        total, aux, stats = lm_step.accumulate(trainer.ctx, batches)
         reference, ce, balance = reference_step(moe, batches)
         assert float(total) == pytest.approx(float(ce), rel=1e-6, abs=1e-6)
         assert float(aux) == pytest.approx(COEF * float(balance), rel=1e-6)

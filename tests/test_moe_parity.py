@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import titanite
 from tests.conftest import TINY_MOE, TINY_VOCAB, assert_grads_match, make_hf_checkpoint, transformers_model
-from titanite.config import ModelConfig
+from titanite.core.config import ModelConfig
 from titanite.models.handle import handle_of
 from titanite.models.qwen3.state_dict import Qwen3StateDictAdapter
 from titanite.models.spec import get_spec

@@ -8,10 +8,10 @@ import torch
 
 from tests.conftest import TINY_MOE, make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
 from titanite.checkpoint import training_state
-from titanite.config import ModelConfig, load_config
+from titanite.core.config import ModelConfig, load_config
 from titanite.models.qwen3.moe import moe_layers
 from titanite.models.spec import get_spec
-from titanite.trainer import Trainer
+from titanite.run.trainer import Trainer
 
 MOE = dict(TINY_MOE, num_experts=8, output_router_logits=True, router_aux_loss_coef=0.01)
 

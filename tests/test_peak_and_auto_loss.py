@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics, tiny_train_args
-from titanite import device as devices
-from titanite.config import load_config
+from titanite.core.config import load_config
+from titanite.device import peak as device_peak
+from titanite.device.peak import Peak, measured_peak, warn_if_slow_bf16
 from titanite.models.spec import get_spec
-from titanite.preflight import choose_loss
-from titanite.trainer import Trainer
+from titanite.run import preflight as preflight_module
+from titanite.run.preflight import choose_loss
+from titanite.run.trainer import Trainer
 
 CPU = torch.device("cpu")
 
@@ -23,25 +25,25 @@ CPU = torch.device("cpu")
 def test_cpu_peak_is_bounded_in_time_and_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     start = time.perf_counter()
-    first = devices.measured_peak(CPU, torch.float32)
+    first = measured_peak(CPU, torch.float32)
     assert time.perf_counter() - start < 5  # ~0.3 s unloaded; generous for a shared CI machine
     assert first.source == "measured" and first.flops > 1e8
     assert (tmp_path / "titanite" / "peak_flops.json").is_file()
-    monkeypatch.setattr(devices, "measure_gemm_flops", lambda *a, **kw: pytest.fail("measured again"))
-    again = devices.measured_peak(CPU, torch.float32)
+    monkeypatch.setattr(device_peak, "measure_gemm_flops", lambda *a, **kw: pytest.fail("measured again"))
+    again = measured_peak(CPU, torch.float32)
     assert again.source == "measured, cached" and again.flops == first.flops
     assert "GFLOP/s" in again.describe() or "TFLOP/s" in again.describe()
 
 
 def test_slow_cpu_bf16_warns_once_with_both_numbers(monkeypatch, caplog):
-    peaks = {torch.bfloat16: devices.Peak(0.17e9, "measured"), torch.float32: devices.Peak(32e9, "measured")}
-    monkeypatch.setattr(devices, "measured_peak", lambda device, dtype, refresh=False: peaks[dtype])
+    peaks = {torch.bfloat16: Peak(0.17e9, "measured"), torch.float32: Peak(32e9, "measured")}
+    monkeypatch.setattr(device_peak, "measured_peak", lambda device, dtype, refresh=False: peaks[dtype])
     with caplog.at_level(logging.WARNING, logger="titanite"):
-        devices.warn_if_slow_bf16(CPU)
+        warn_if_slow_bf16(CPU)
     assert "0.2 GFLOP/s" in caplog.text and "32.0 GFLOP/s" in caplog.text and "mixed_precision = 'none'" in caplog.text
     caplog.clear()
-    peaks[torch.bfloat16] = devices.Peak(200e9, "measured")  # bf16 matrix units: no warning
-    devices.warn_if_slow_bf16(CPU)
+    peaks[torch.bfloat16] = Peak(200e9, "measured")  # bf16 matrix units: no warning
+    warn_if_slow_bf16(CPU)
     assert caplog.text == ""
 
 
@@ -50,8 +52,8 @@ def test_mfu_is_never_reported_above_100_percent(tmp_path, tiny_hf, tiny_data, m
     trainer = Trainer(load_config(None, tiny_train_args(tiny_hf, tiny_data, tmp_path / "run", steps=2)))
     trainer.close()
     fast = trainer.flops_per_token * 1000  # FLOP/s achieved at 1000 tokens/s
-    trainer.mfu.peak = devices.Peak(fast / 2, "metrics.peak_tflops" if peak == "configured" else "measured")
-    monkeypatch.setattr(devices, "measured_peak", lambda *a, **kw: devices.Peak(fast * 4, "measured"))
+    trainer.mfu.peak = Peak(fast / 2, "metrics.peak_tflops" if peak == "configured" else "measured")
+    monkeypatch.setattr(device_peak, "measured_peak", lambda *a, **kw: Peak(fast * 4, "measured"))
     with caplog.at_level(logging.WARNING, logger="titanite"):
         mfu = trainer.mfu(1000.0)
     if expected == "null":
@@ -77,7 +79,7 @@ def test_progress_line_and_metrics_carry_a_finite_mfu(tmp_path, tiny_hf, tiny_da
 def test_auto_loss_chooses_by_the_logits_share_of_memory(monkeypatch, caplog, batch, memory, want):
     cfg = load_config(None, [f"--training.batch_size={batch}", "--data.seq_len=256"])  # debug flavor: 151,936 vocab
     handle = get_spec("qwen3").build(cfg.model)
-    monkeypatch.setattr(devices, "total_memory", lambda device: memory)
+    monkeypatch.setattr(preflight_module, "total_memory", lambda device: memory)
     with caplog.at_level(logging.INFO, logger="titanite"):
         chosen = choose_loss(cfg, handle, CPU)
     assert chosen.select["loss"] == want

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (titanite/parallel/pipeline.py): every layout against its own
+"""Pipeline parallelism (titanite/parallel/pipeline_runner.py): every layout against its own
 single-process run of the same config (losses <= 1e-5, grad norms and the MoE balancing loss
 <= 1e-4 relative, the Hugging Face export tensor for tensor), checkpoints resumed across pipeline
 layouts and schedules, LoRA (its adapters exported from every stage; its dropout resumed exactly),
@@ -18,12 +18,20 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY_MOE, make_hf_checkpoint, read_metrics
-from tests.test_distributed import (_tensors, args_for, assert_same_export, assert_same_run, data,  # noqa: F401
-                                    resume_dir, single_process, torchrun)
-from titanite.config import load_config
-from titanite.errors import UserError
+from tests.test_distributed import (  # noqa: F401
+    _tensors,
+    args_for,
+    assert_same_export,
+    assert_same_run,
+    data,
+    resume_dir,
+    single_process,
+    torchrun,
+)
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
 from titanite.parallel.pipeline_layout import SCHEDULES, balanced_split
-from titanite.preflight import preflight
+from titanite.run.preflight import preflight
 
 
 @pytest.fixture(scope="module")

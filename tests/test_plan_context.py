@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 from titanite.cli import main as cli_main
-from titanite.config import load_config
+from titanite.core.config import load_config
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.plan import estimate
@@ -179,7 +179,7 @@ def test_the_rehearsal_runs_with_cp(world, extra):
 
 def test_the_default_world_counts_cp(capsys):
     """Without --world-size the estimate takes the smallest world the layout allows: cp ranks too."""
-    from titanite.plan.cli import smallest_world
+    from titanite.commands.estimate import smallest_world
 
     p = _cfg(512, 2, **{"parallelism.tp": 2}).parallelism
     assert smallest_world(p) == 4

@@ -22,13 +22,13 @@ from torch.distributed.pipelining.schedules import _ComputationType, get_schedul
 from tests.conftest import REPO, read_metrics
 from tests.test_distributed import assert_same_run, torchrun
 from titanite.cli import main as cli_main
-from titanite.config import load_config
+from titanite.core.config import load_config
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.parallel.pipeline_layout import SCHEDULES, PipelineLayout, balanced_split, stage_costs
 from titanite.plan import estimate
 from titanite.plan.counts import GiB
-from titanite.plan.pipeline import in_flight
+from titanite.plan.pipeline_costs import in_flight
 from titanite.plan.rehearse import fitting_layout, rehearse
 
 PRETRAIN, PRETRAIN_TINY = (REPO / "configs" / f"qwen3-235b-a22b-pretrain{s}.toml" for s in ("", "-tiny"))
@@ -285,7 +285,7 @@ def test_tiny_twin_trains_with_pp2_as_one_process(tmp_path):
     """configs/qwen3-235b-a22b-pretrain-tiny.toml on 2 ranks (2 pipeline stages, the MoE balancing
     loss over the global batch) and on one process (pp = 1): the same losses, gradient norms and
     balancing losses at every step."""
-    from titanite.trainer import Trainer
+    from titanite.run.trainer import Trainer
 
     config = str(PRETRAIN_TINY)
     common = ["--metrics.progress_bar=off", "--checkpoint.export_hf=false"]
@@ -301,7 +301,7 @@ def test_tiny_twin_trains_with_pp2_as_one_process(tmp_path):
 
 def test_the_estimate_refuses_what_the_pipeline_refuses():
     """Tied embeddings (the first and the last stage would share one matrix), as training does."""
-    from titanite.errors import UserError
+    from titanite.core.errors import UserError
 
     with pytest.raises(UserError, match="tied input and output embeddings"):
         estimate(_cfg({"parallelism.pp": 2}, "debug-moe"), 2)

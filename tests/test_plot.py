@@ -8,10 +8,10 @@ import matplotlib.image
 import pytest
 
 from tests.conftest import run_cli
-from titanite.config import MetricsConfig
-from titanite.errors import UserError
-from titanite.metrics import MetricsLogger
-from titanite.plot import plot_runs
+from titanite.commands.plot import plot_runs
+from titanite.core.config import MetricsConfig
+from titanite.core.errors import UserError
+from titanite.run.metrics import MetricsLogger
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

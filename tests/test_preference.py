@@ -26,9 +26,9 @@ from tests.chat_fixtures import make_chat_tokenizer, write_jsonl
 from tests.conftest import REPO, make_hf_checkpoint, make_tiny_tokenizer, read_metrics, run_cli, stop_after
 from tests.preference_fixtures import make_pair_models, write_pair_data
 from tests.reliability_fixtures import _corrupt_flip
-from titanite.config import load_config
-from titanite.errors import UserError
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.core.errors import UserError
+from titanite.run.trainer import Trainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -95,7 +95,7 @@ def test_precomputed_reference_equals_the_live_one_and_is_kept_beside_the_token_
 
 
 def test_a_precomputed_reference_model_is_freed_before_training(world, tmp_path, monkeypatch):
-    import titanite.preference.objective as objective
+    import titanite.run.preference.objective as objective
 
     seen = []
     real = objective.materialize_reference

@@ -21,7 +21,7 @@ import tomllib
 import pytest
 
 from tests.conftest import REPO
-from titanite.config import load_config
+from titanite.core.config import load_config
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.plan import estimate
@@ -84,7 +84,7 @@ def test_a_live_reference_adds_its_fp32_parameters_to_every_moment(folders, kind
 @pytest.mark.parametrize("mp", ["none", "bf16"])
 def test_under_fsdp_the_reference_is_sharded_and_reshards_its_root(folders, kind, mp):
     """Two ranks: half the parameters each (FSDP pads dim 0); the root group, which FSDP2 leaves
-    gathered after a forward, is resharded after the reference's (titanite/preference/reference.py),
+    gathered after a forward, is resharded after the reference's (titanite/run/preference/reference.py),
     so nothing of it is held all step."""
     n, (V, H) = _parameters(kind == "tied"), (SMALL["vocab_size"], SMALL["hidden_size"])
     live, pre = (_estimate(folders[kind], f"--preference.reference={r}", f"--training.mixed_precision={mp}",
@@ -172,7 +172,7 @@ def test_the_reference_forward_holds_one_sequence_s_logits_not_its_activations(f
 
 @pytest.mark.parametrize("mp", ["none", "bf16"])
 def test_the_reference_forward_is_what_a_no_grad_forward_allocates(tmp_path, mp):
-    """The reference's log-probabilities (titanite/preference/reference.py, sequence_logps) on a
+    """The reference's log-probabilities (titanite/run/preference/reference.py, sequence_logps) on a
     frozen native model with a large vocabulary and the reference loss op, its allocations read
     from the profiler, against the planned bytes: at most 1% below (per-token values it leaves
     out) and 10% above."""
@@ -181,7 +181,7 @@ def test_the_reference_forward_is_what_a_no_grad_forward_allocates(tmp_path, mp)
 
     from tests.startup_probe import _peak_live_bytes, _profiled
     from titanite.models.spec import get_spec
-    from titanite.preference.reference import sequence_logps
+    from titanite.run.preference.reference import sequence_logps
 
     V = 8192
     transformers.Qwen3Config(**{**SMALL, "vocab_size": V, "hidden_size": 64}).save_pretrained(tmp_path)
@@ -220,9 +220,9 @@ STEP_CASES = {
 STEP_PROBE = """
 import json, sys
 from tests.startup_probe import _peak_live_bytes, _profiled, live_state_bytes
-from titanite.config import load_config
+from titanite.core.config import load_config
 from titanite.parallel.distributed import exit_process
-from titanite.trainer import Trainer
+from titanite.run.trainer import Trainer
 t = Trainer(load_config(None, sys.argv[1:]))
 t.train_step().read()
 t.step += 1

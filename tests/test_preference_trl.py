@@ -32,9 +32,22 @@ import torch.nn.functional as F
 
 from tests.chat_fixtures import make_chat_tokenizer
 from tests.conftest import read_metrics, tiny_train_args
-from tests.preference_fixtures import (FORMS, MAX_LENGTH, STEP_METRICS, completion_logps, dpo_tokenize,
-                                       load_tokenizer, make_pair_models, padded_pairs, rel_diff, run_trl_dpo,
-                                       transformers_causal_lm, trl_dpo, trl_simpo, write_pair_data)
+from tests.preference_fixtures import (
+    FORMS,
+    MAX_LENGTH,
+    STEP_METRICS,
+    completion_logps,
+    dpo_tokenize,
+    load_tokenizer,
+    make_pair_models,
+    padded_pairs,
+    rel_diff,
+    run_trl_dpo,
+    transformers_causal_lm,
+    trl_dpo,
+    trl_simpo,
+    write_pair_data,
+)
 
 BETA = 0.1
 SIMPO_BETA = 2.0  # SimPO's own scale (its paper uses 2-2.5); TRL's simpo_gamma default 0.5
@@ -112,8 +125,8 @@ def titanite_run(out: Path, models, tok: Path, data: dict[str, Path], *, kind: s
                  loss: str, steps: int, max_length: int = MAX_LENGTH, reference: str = "model") -> list[dict]:
     """A titanite DPO run as TRL's: the whole data set one batch, constant LR, no warmup or
     weight decay, AdamW(0.9, 0.999, 1e-8), clipping at 1. Returns metrics.jsonl's rows."""
-    from titanite.config import load_config
-    from titanite.trainer import Trainer
+    from titanite.core.config import load_config
+    from titanite.run.trainer import Trainer
 
     policy, ref_model = models[kind]
     loss_type, smoothing, sft = LOSSES[loss]

@@ -1,4 +1,4 @@
-"""No process outlives its run (titanite/procs.py): the processes a command starts die with it,
+"""No process outlives its run (titanite/core/procs.py): the processes a command starts die with it,
 however it dies, SIGKILL included, and a run that ends normally leaves none behind.
 
 Oracle: the processes themselves. Each command runs with a marker in its environment, which
@@ -144,7 +144,7 @@ def _forkserver_and_workers(pid: int) -> list[int]:
 def test_die_with_parent_arms_and_closes_the_race():
     """Armed with the right parent pid, a child lives on and is killed when its parent dies; told
     another pid (its parent died before it could arm), it kills itself at once."""
-    code = ("import os, sys, time; from titanite.procs import die_with_parent; "
+    code = ("import os, sys, time; from titanite.core.procs import die_with_parent; "
             "print(die_with_parent(int(sys.argv[1])), flush=True); time.sleep(30)")
     wrong = subprocess.run([sys.executable, "-c", code, "1"], cwd=REPO, capture_output=True, text=True, timeout=30)
     if os.getpid() != 1:

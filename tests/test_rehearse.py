@@ -13,7 +13,7 @@ import re
 import pytest
 
 from tests.conftest import REPO, run_cli
-from titanite.config import load_config
+from titanite.core.config import load_config
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.plan import estimate

@@ -18,11 +18,19 @@ import pickle
 import pytest
 import torch
 
-from titanite.checkpoint import training_state
-from titanite.checkpoint.dcp_safe import RestrictedUnpickler, read_metadata
 from tests.conftest import TINY_VOCAB, make_hf_checkpoint, read_metrics, tiny_train_args
-from tests.reliability_fixtures import (_corrupt_flip, _corrupt_garbage_with_manifest, _corrupt_truncate, losses,
-                                        refused, rewrite_manifest, titanite, train)
+from tests.reliability_fixtures import (
+    _corrupt_flip,
+    _corrupt_garbage_with_manifest,
+    _corrupt_truncate,
+    losses,
+    refused,
+    rewrite_manifest,
+    titanite,
+    train,
+)
+from titanite.checkpoint import training_state
+from titanite.formats.dcp_safe import RestrictedUnpickler, read_metadata
 
 pytest_plugins = ["tests.reliability_fixtures"]
 
@@ -77,7 +85,7 @@ def test_1_pickled_byte_entries_are_refused(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     dcp.save({"model": {"w": _Payload(tmp_path / "PWNED")}}, checkpoint_id=str(ckpt), no_dist=True)
-    from titanite.checkpoint.dcp_safe import UnsafeCheckpoint, check_compatible
+    from titanite.formats.dcp_safe import UnsafeCheckpoint, check_compatible
 
     with pytest.raises(UnsafeCheckpoint, match="pickled bytes"):
         check_compatible(read_metadata(ckpt), {"model": {"w": torch.zeros(2)}}, ckpt)
@@ -91,9 +99,9 @@ def test_1_pickled_byte_entries_are_refused(tmp_path):
 def test_2_nonfinite_weights_are_never_saved(tmp_path, capsys, reference, monkeypatch, async_mode):
     """With async saves too: the check runs in the step, before the state is staged, and the run
     stops only after the save in flight (finite) has landed."""
-    from titanite.config import ModelConfig, TrainingConfig
+    from titanite.core.config import ModelConfig, TrainingConfig
     from titanite.models.spec import get_spec
-    from titanite.optim import param_groups
+    from titanite.run.optim import param_groups
 
     hf, data, want = reference
     model = get_spec("qwen3").build(ModelConfig(hf_path=str(hf))).module
@@ -143,19 +151,20 @@ def test_2_the_finite_check_sees_every_nan_and_inf(dtype):
 def test_2_nonfinite_loss_between_log_steps_skips_its_update_on_the_device(tmp_path, reference, monkeypatch):
     """A NaN loss on a step that is not logged is not read there: its update is skipped on the
     device (weights stay finite), and the next log step stops the run, naming the first step."""
-    from titanite.config import load_config
-    from titanite.errors import TrainingDiverged
-    from titanite.trainer import Trainer
+    from titanite.core.config import load_config
+    from titanite.core.errors import TrainingDiverged
+    from titanite.run.step_context import StepContext
+    from titanite.run.trainer import Trainer
 
     hf, data, _ = reference
-    real, seen = Trainer._forward, {"n": 0}
+    real, seen = StepContext.forward, {"n": 0}
 
     def poisoned(self, batch):
         seen["n"] += 1
         out, loss = real(self, batch)
         return out, (loss * float("nan") if seen["n"] == 3 else loss)
 
-    monkeypatch.setattr(Trainer, "_forward", poisoned)
+    monkeypatch.setattr(StepContext, "forward", poisoned)
     trainer = Trainer(load_config(None, tiny_train_args(hf, data, tmp_path / "run", steps=6, **{
         "metrics.log_interval": 4, "checkpoint.interval": 2})))
     with pytest.raises(TrainingDiverged, match=r"loss is nan .* at step 3; its update was skipped.*step-2"):

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titanite.checkpoint.safetensors_io import HFReader
-from titanite.errors import UserError
 from tests.conftest import TINY_VOCAB, make_hf_checkpoint
 from tests.reliability_fixtures import refused, train
+from titanite.core.errors import UserError
+from titanite.formats.safetensors_io import HFReader
 
 pytest_plugins = ["tests.reliability_fixtures"]
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from titanite.checkpoint import training_state
-from titanite.runlock import RunLock
 from tests.conftest import REPO
 from tests.reliability_fixtures import losses, refused, train
+from titanite.checkpoint import training_state
+from titanite.run.runlock import RunLock
 
 pytest_plugins = ["tests.reliability_fixtures"]
 
@@ -45,8 +45,8 @@ def test_6_second_run_on_a_held_folder_exits_at_once(tmp_path, capsys, reference
 def test_6_ranks_of_the_holding_job_pass_the_preflight_check(tmp_path, monkeypatch):
     """A rank whose preflight runs after its own rank 0 took the lock is not a second run; a
     process of another torchrun job, or of none, still is."""
-    from titanite.errors import UserError
-    from titanite.runlock import check_free
+    from titanite.core.errors import UserError
+    from titanite.run.runlock import check_free
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     held = RunLock(tmp_path).acquire()
@@ -63,7 +63,7 @@ def test_6_ranks_of_the_holding_job_pass_the_preflight_check(tmp_path, monkeypat
 def test_6_lock_of_a_killed_run_does_not_block(tmp_path, capsys, reference):
     hf, data, want = reference
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from titanite.runlock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from titanite.run.runlock import RunLock; "
                                f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -124,7 +124,7 @@ def test_9_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, capsy
 
 
 def test_storage_errors_name_the_cause():
-    from titanite.files import storage_error
+    from titanite.core.files import storage_error
 
     e = storage_error(OSError(errno.ENOSPC, "No space left on device", "/x/y"), "saving step-4")
     assert str(e) == "no space left on the device (/x/y) while saving step-4"

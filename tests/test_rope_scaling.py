@@ -16,12 +16,12 @@ import torch
 
 import titanite
 from tests.conftest import TINY_MOE, TINY_VOCAB, make_hf_checkpoint, read_metrics, tiny_train_args, transformers_model
-from titanite.config import ModelConfig, load_config
-from titanite.errors import UserError
+from titanite.core.config import ModelConfig, load_config
+from titanite.core.errors import UserError
 from titanite.models.qwen3.args import Qwen3Args, RopeScaling, from_hf_config, rope_reach
 from titanite.models.spec import get_spec
-from titanite.preflight import check_rope_reach
-from titanite.trainer import Trainer
+from titanite.run.preflight import check_rope_reach
+from titanite.run.trainer import Trainer
 
 SEQ, ORIGINAL = 2048, 256
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIGINAL}
@@ -119,7 +119,7 @@ def test_legacy_and_current_files_read_alike(tmp_path):
 
 
 def test_config_key_as_a_toml_table_round_trips(tmp_path):
-    from titanite.config import to_toml
+    from titanite.core.config import to_toml
 
     path = tmp_path / "run.toml"
     path.write_text("[model]\nspec = 'hf'\n\n[model.rope_scaling]\nrope_type = 'yarn'\nfactor = 4.0\n"

@@ -14,9 +14,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titanite.checkpoint import safetensors_io
-from titanite.checkpoint.safetensors_io import HFReader, read_hf_config, write_hf_folder
-from titanite.errors import UserError
+from titanite.core.errors import UserError
+from titanite.formats import safetensors_io
+from titanite.formats.safetensors_io import HFReader, read_hf_config, write_hf_folder
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)

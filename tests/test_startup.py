@@ -155,9 +155,9 @@ def test_export_command_streams_a_two_rank_checkpoint(name, checkpoints, data, t
     """`titanite export` of a checkpoint saved by 2 FSDP ranks: the files are the run's own
     end-of-run export, byte for byte, and the command never restores the model: its peak is one
     on-disk tensor plus the stored chunks (one saving rank's shard) it overlaps."""
-    from titanite.checkpoint import dcp_safe
-    from titanite.export import export_checkpoint
     from tests.startup_probe import _peak_live_bytes, _profiled
+    from titanite.commands.export import export_checkpoint
+    from titanite.formats import dcp_safe
 
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

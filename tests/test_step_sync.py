@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MOE, make_hf_checkpoint, read_metrics, tiny_train_args
-from titanite.config import load_config
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 

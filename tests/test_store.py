@@ -20,12 +20,12 @@ import tokenizers
 
 from tests.chat_fixtures import make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import REPO, corpus_texts, make_hf_checkpoint, run_cli, tiny_train_args
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data import PackedLoader, load_tokenizer, store
 from titanite.data import prepare as prep
 from titanite.data.chat import IGNORE_INDEX, load_chat_template, tokenize_conversation
 from titanite.data.packing import StreamWindows
-from titanite.errors import UserError
 
 DOCS = corpus_texts(120)
 
@@ -166,7 +166,7 @@ def test_ranks_share_one_prepare(tmp_path, chat_tok_dir):
     """Two processes asking for the same store at once: one prepares, the other waits and opens it."""
     cfg, _ = _write_source("jsonl", tmp_path / "src")
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
-            "from titanite.config import DataConfig; from titanite.data import load_tokenizer, prepare as prep; "
+            "from titanite.core.config import DataConfig; from titanite.data import load_tokenizer, prepare as prep; "
             f"prep.obtain(DataConfig(path={cfg.path!r}, cache_dir={str(tmp_path / 'cache')!r}), "
             f"load_tokenizer({str(chat_tok_dir)!r}))")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -253,8 +253,8 @@ def test_prepare_command_then_train_on_the_named_store(tmp_path, chat_tok_dir):
 
 
 def test_a_named_store_with_ids_beyond_the_vocabulary_is_refused(tmp_path, chat_tok_dir):
-    from titanite.config import load_config
-    from titanite.preflight import preflight
+    from titanite.core.config import load_config
+    from titanite.run.preflight import preflight
 
     cfg, _ = _write_source("jsonl", tmp_path / "src")
     tok = load_tokenizer(str(chat_tok_dir))

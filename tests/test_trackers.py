@@ -1,4 +1,4 @@
-"""Experiment trackers (titanite/trackers.py), each read back through its own API or files.
+"""Experiment trackers (titanite/run/trackers.py), each read back through its own API or files.
 
 For each tracker a tiny run of 3 steps, then a rerun to 5 steps that resumes from the step-3
 checkpoint: the tracker's run holds metrics.jsonl's numbers under the same names at the same
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, read_metrics, tiny_train_args
-from titanite.config import load_config
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 
 # What the environment may say to the trackers (cleared here), and what titanite sets for them.
 TRACKER_ENV = ("WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "TRACKIO_DIR", "TRACKIO_SPACE_ID",
@@ -196,8 +196,8 @@ def test_wandb_offline_run_and_resume(tmp_path, tiny_hf, tiny_data):
 # process of their own: both attempts, then the read-back through trackio's API.
 TRACKIO_RUNS = """
 import json, sys
-from titanite.config import load_config
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.run.trainer import Trainer
 for args in json.loads(sys.argv[1]):
     Trainer(load_config(None, args)).train()
 import trackio
@@ -252,7 +252,7 @@ def test_missing_package_is_a_preflight_error(tmp_path, tiny_hf, tiny_data, monk
 def test_failing_tracker_is_dropped_and_training_goes_on(tmp_path, tiny_hf, tiny_data, monkeypatch, caplog):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from titanite import trackers
+    from titanite.run import trackers
 
     train(tiny_hf, tiny_data, tmp_path / "plain", 5)
     real_log, calls = trackers._MLflow.log, []
@@ -304,7 +304,7 @@ def test_a_run_that_fails_still_finishes_its_tracker_runs(tmp_path, tiny_hf, tin
 
 
 def test_an_unknown_tracker_names_the_key():
-    from titanite.errors import UserError
+    from titanite.core.errors import UserError
 
     with pytest.raises(UserError, match=r"'metrics.trackers\[1\]': 'wandbb' .* \(did you mean 'wandb'\?\)"):
         load_config(None, ["--metrics.trackers=[mlflow,wandbb]"])

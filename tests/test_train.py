@@ -15,9 +15,10 @@ import transformers
 import titanite
 from tests.conftest import REPO, TINY_VOCAB, read_metrics, run_cli, stop_after, tiny_train_args
 from titanite.checkpoint import training_state
-from titanite.config import load_config
-from titanite.errors import TrainingDiverged
-from titanite.trainer import Trainer
+from titanite.core.config import load_config
+from titanite.core.errors import TrainingDiverged
+from titanite.run.step_context import StepContext
+from titanite.run.trainer import Trainer
 
 
 def train_in_process(args: list[str]) -> Trainer:
@@ -85,7 +86,7 @@ def test_resume_in_process_reproduces_uninterrupted(tmp_path, tiny_hf, tiny_data
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_hf, tiny_data, monkeypatch):
-    real = Trainer._forward
+    real = StepContext.forward
     seen = {"n": 0}
 
     def poisoned(self, batch):
@@ -93,7 +94,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_hf, tiny_d
         out, loss = real(self, batch)
         return out, (loss * float("nan") if seen["n"] == 3 else loss)
 
-    monkeypatch.setattr(Trainer, "_forward", poisoned)
+    monkeypatch.setattr(StepContext, "forward", poisoned)
     out = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match=r"loss is nan .* at step 3.*step-2"):
         train_in_process(tiny_train_args(tiny_hf, tiny_data, out, steps=6))

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titanite.checkpoint.hf_weights import export_hf
-from titanite.config import DEFAULT_SHARD_MB, ModelConfig
+from titanite.core.config import DEFAULT_SHARD_MB, ModelConfig
+from titanite.formats.hf_weights import export_hf
 from titanite.models.handle import handle_of
 from titanite.models.spec import get_spec
 from titanite.parallel.distributed import full_regions

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from titanite.cli import run_train
+from titanite.cli import run
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_train(sys.argv[1:] if argv is None else argv)
+    return run("train", sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

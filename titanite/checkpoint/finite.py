@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from titanite import device as devices
+from titanite.device.choice import is_host
 
 _INF = float("inf")
 
@@ -44,7 +44,7 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     ts = _checkable(tensors)
     if not ts:
         return torch.ones((), dtype=torch.bool)
-    if devices.is_host(ts[0].device):
+    if is_host(ts[0].device):
         extremes = [x for t in ts for x in torch.aminmax(t)]  # NaN propagates; +-Inf is an extreme
     else:
         extremes = list(torch._foreach_norm(ts, _INF))

@@ -50,11 +50,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from titanite import device as devices
-from titanite.checkpoint import dcp_safe, manifest
 from titanite.checkpoint.training_state import STATE_FILE, latest_checkpoint, list_checkpoints, state_to_save
-from titanite.errors import UserError
-from titanite.files import file_digest, storage_error
+from titanite.core.errors import UserError
+from titanite.core.files import file_digest, storage_error
+from titanite.device.choice import synchronize
+from titanite.device.memory import has_pinned_memory
+from titanite.formats import dcp_safe, manifest
 from titanite.parallel.distributed import gather_texts
 
 log = logging.getLogger("titanite")
@@ -257,7 +258,7 @@ class HostStager(AsyncStager):
         staged = {section: {name: self._copy(f"{section}/{name}", t) for name, t in tensors.items()}
                   for section, tensors in state_dict.items()}
         if self.pinned:  # the copies were only queued
-            devices.synchronize(self.device)
+            synchronize(self.device)
         return staged
 
     def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
@@ -283,7 +284,7 @@ class Saver:
     "async_pinned" on a device without pinned host memory is "async", with a warning."""
 
     def __init__(self, mode: str, device: torch.device, timeout_s: float) -> None:
-        if mode == "async_pinned" and not devices.has_pinned_memory(device.type):
+        if mode == "async_pinned" and not has_pinned_memory(device.type):
             log.warning("checkpoint.async_mode = 'async_pinned': %s has no pinned host memory, so checkpoints are "
                         "staged in pageable host memory ('async')", device.type)
             mode = "async"

@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titanite import device as devices
-from titanite.checkpoint import dcp_safe, manifest
-from titanite.errors import UserError
+from titanite.core.errors import UserError
+from titanite.device.choice import rng_state, set_rng_state
+from titanite.formats import dcp_safe, manifest
 from titanite.parallel.distributed import gather_texts
 
 log = logging.getLogger("titanite")
@@ -240,7 +240,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
         set_optimizer_state_dict(model, optimizer, optim_full, options=_FLAT)
         torch.set_rng_state(state["rng"]["cpu"])
         if "device" in state["rng"]:
-            devices.set_rng_state(_device_of(model), state["rng"]["device"])
+            set_rng_state(_device_of(model), state["rng"]["device"])
     return trainer_state
 
 
@@ -248,7 +248,7 @@ def rng_states(device: torch.device, with_device: bool = True) -> dict[str, torc
     """The generators a resume restores: the CPU's, and the accelerator's own (dropout and
     random init draw from it), so that a resumed run continues bit for bit."""
     states = {"cpu": torch.get_rng_state()}
-    device_state = devices.rng_state(device) if with_device else None
+    device_state = rng_state(device) if with_device else None
     if device_state is not None:
         states["device"] = device_state
     return states

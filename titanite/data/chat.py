@@ -22,12 +22,19 @@ from typing import Any
 
 import numpy as np
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, find_chat_template
-from titanite.data.sources import (_decode, _is_saved_dataset, dataset_column, json_lines, path_files,
-                                   load_saved_dataset, parquet_column)
+from titanite.data.sources import (
+    _decode,
+    _is_saved_dataset,
+    dataset_column,
+    json_lines,
+    load_saved_dataset,
+    parquet_column,
+    path_files,
+)
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
 from titanite.kernels.reference_ops import IGNORE_INDEX  # the labels the loss skips
 
 log = logging.getLogger("titanite")

@@ -37,7 +37,7 @@ from typing import Any
 
 import tokenizers
 
-from titanite.errors import UserError
+from titanite.core.errors import UserError
 
 _PROBE = [{"role": "user", "content": "probe"}]
 # The named special tokens transformers passes to every template (its `special_tokens_map`).

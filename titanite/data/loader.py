@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data.mixture import MixtureLoader
 from titanite.data.packing import SampleWindows, StreamWindows, pack, packing_mode
 from titanite.data.position import check_position, mix_seed
 from titanite.data.sources import describe_source
 from titanite.data.streaming import StreamingLoader
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
 
 log = logging.getLogger("titanite")
 

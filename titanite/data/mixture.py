@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanite.config import Config, DataConfig
+from titanite.core.config import Config, DataConfig
+from titanite.core.errors import UserError
 from titanite.data.packing import Packed, SampleWindows, pack, packing_mode
 from titanite.data.position import check_position, mix_seed
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
 
 log = logging.getLogger("titanite")
 

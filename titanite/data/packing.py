@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data.chat import IGNORE_INDEX, ChatStats
-from titanite.data.sources import SourceStats, describe_source
 from titanite.data.prepare import obtain
+from titanite.data.sources import SourceStats, describe_source
 from titanite.data.store import TokenStore
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
 
 
 def packing_mode(cfg: DataConfig) -> str:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanite.errors import UserError
-
+from titanite.core.errors import UserError
 
 _KINDS = {"packed": "one prepared source (data.path)", "mixture": "a mixture (data.sources)",
           "streaming": "a stream (data.streaming)"}

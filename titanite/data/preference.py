@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data.chat import CHAT_GLOBS, MalformedRow, check_messages
 from titanite.data.chat_template import ChatTemplate
 from titanite.data.sources import _decode, _is_saved_dataset, json_lines, load_saved_dataset, path_files
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
 from titanite.kernels.reference_ops import IGNORE_INDEX
 
 FIELDS = ("prompt", "chosen", "rejected")

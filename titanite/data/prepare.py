@@ -33,18 +33,27 @@ from typing import Any
 
 import numpy as np
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
+from titanite.core.files import is_within
+from titanite.core.procs import forkserver_context
 from titanite.data.chat import ChatStats, apply_policy, chat_rows, finish_policy, load_chat_template, tokenize_row
 from titanite.data.chat_template import find_chat_template
 from titanite.data.preference import preference_rows, tokenize_preference_row
 from titanite.data.sources import SourceStats, describe_source, iter_documents
-from titanite.data.store import (MANIFEST, TokenStore, cache_dir, cache_key, check_fresh, fingerprint, is_store,
-                                 kind, open_store)
+from titanite.data.store import (
+    MANIFEST,
+    TokenStore,
+    cache_dir,
+    cache_key,
+    check_fresh,
+    fingerprint,
+    is_store,
+    kind,
+    open_store,
+)
 from titanite.data.tokenizer import Tokenizer, load_tokenizer
-from titanite.errors import UserError
-from titanite.files import is_within
 from titanite.kernels.reference_ops import IGNORE_INDEX
-from titanite.procs import forkserver_context
 
 log = logging.getLogger("titanite")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanite.config import DataConfig
-from titanite.errors import UserError
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 
 STDLIB = "<stdlib>"
 

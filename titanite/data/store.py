@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
+from titanite.core.files import file_digest
 from titanite.data.chat import CHAT_GLOBS, ChatStats
 from titanite.data.sources import SourceStats, input_files
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
-from titanite.files import file_digest
 from titanite.kernels.reference_ops import IGNORE_INDEX
 
 log = logging.getLogger("titanite")

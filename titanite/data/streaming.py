@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanite.config import DataConfig
+from titanite.core.config import DataConfig
+from titanite.core.errors import UserError
 from titanite.data.position import check_position
 from titanite.data.prepare import encode_documents
 from titanite.data.sources import SourceStats, describe_source, iter_documents
 from titanite.data.store import is_store
 from titanite.data.tokenizer import Tokenizer
-from titanite.errors import UserError
 
 log = logging.getLogger("titanite")
 

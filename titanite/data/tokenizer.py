@@ -14,8 +14,8 @@ from pathlib import Path
 
 import tokenizers
 
-from titanite.errors import UserError
-from titanite.files import inside_folder
+from titanite.core.errors import UserError
+from titanite.core.files import inside_folder
 
 # Files an HF tokenizer folder may hold; an export copies the ones present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import titanite.kernels.registry as registry
-from titanite.errors import UserError
+from titanite.core.errors import UserError
 
 log = logging.getLogger("titanite")
 

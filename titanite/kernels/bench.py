@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import titanite.device as devices
 import titanite.kernels.registry as registry
+from titanite.device.choice import is_host, synchronize
+from titanite.device.memory import reset_peak_memory
 from titanite.kernels.cases import Case, bench_case
 from titanite.kernels.triton.availability import interpreted
 from titanite.kernels.verify import as_outputs, prepare_args
@@ -51,25 +52,25 @@ def _time(fn, case: Case, backward: bool, device: torch.device, min_s: float, ma
     """Median milliseconds of one call, after two warm-up calls."""
     for _ in range(2):
         _step(fn, case, backward)
-    devices.synchronize(device)
+    synchronize(device)
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < max_iters and (time.perf_counter() - start < min_s or len(times) < 3):
         t0 = time.perf_counter()
         _step(fn, case, backward)
-        devices.synchronize(device)
+        synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
 def _peak_mib(fn, case: Case, device: torch.device) -> float | None:
-    if devices.is_host(device):
+    if is_host(device):
         return None
-    devices.synchronize(device)
-    devices.reset_peak_memory(device)
+    synchronize(device)
+    reset_peak_memory(device)
     base = torch.accelerator.memory_allocated(device)
     _step(fn, case, True)
-    devices.synchronize(device)
+    synchronize(device)
     return (torch.accelerator.max_memory_allocated(device) - base) / 2**20
 
 
@@ -84,7 +85,7 @@ def bench(ops: list[str] | None = None, impl: str | None = None, device: torch.d
     for op in ops:
         impls = registry.implementations(op)
         names = [n for n in impls if impl is None or n in (impl, registry.REFERENCE)]
-        for case in bench_case(op, dtype, device, big=not devices.is_host(device)):
+        for case in bench_case(op, dtype, device, big=not is_host(device)):
             ref_ms = None
             for name in names:
                 im = impls[name]

@@ -54,9 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanite.kernels import context_parallel
 from titanite.kernels.attach import Kernel
 from titanite.kernels.head_loss import head_loss
-from titanite.kernels import context_parallel
 from titanite.kernels.reference_ops import block_causal_mask
 from titanite.kernels.routing import RoutingRecord, expert_counts
 

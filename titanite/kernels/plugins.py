@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from titanite.errors import UserError
+from titanite.core.errors import UserError
 
 log = logging.getLogger("titanite")
 

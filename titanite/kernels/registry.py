@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import titanite.kernels.reference_ops as reference_ops
-from titanite.errors import UserError, did_you_mean
+from titanite.core.errors import UserError, did_you_mean
 
 log = logging.getLogger("titanite")
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titanite.kernels.registry import register
 from titanite.kernels.reference_ops import block_causal_mask, causal_mask, moe_experts, swiglu
+from titanite.kernels.registry import register
 
 log = logging.getLogger("titanite")
 

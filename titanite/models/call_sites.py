@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import titanite.kernels.registry as registry
-from titanite.config import KernelsConfig, ModelConfig
+from titanite.core.config import KernelsConfig, ModelConfig
 from titanite.kernels.verify import FLOORS, Row, _oracle_dtype, selected, skip_row
 from titanite.models.spec import get_spec
 

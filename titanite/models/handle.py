@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from titanite.checkpoint.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
-from titanite.checkpoint.sharded import RandomSource, RegionGather, fill, gather_whole, hf_pieces, local_regions
-from titanite import lora
-from titanite.config import KernelsConfig, LoraConfig
+from titanite.core.config import KernelsConfig, LoraConfig
+from titanite.formats.hf_weights import StateDictAdapter, check_hf_weights, load_with_adapter
+from titanite.formats.sharded import RandomSource, RegionGather, fill, gather_whole, hf_pieces, local_regions
+from titanite.models import lora
 from titanite.models.flops import flops_per_token, lora_flops_per_token
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.stage import Part, keep_parts
@@ -72,7 +72,7 @@ class ModelOptions:
 
 @dataclass
 class Lora:
-    """A LoRA model's adapters (see titanite/lora)."""
+    """A LoRA model's adapters (see titanite/models/lora)."""
 
     cfg: LoraConfig
     targets: list[lora.LoraTarget]  # those the module holds (a pipeline stage's: its layers')
@@ -212,7 +212,7 @@ class ModelHandle(ABC):
             yield from adapter.to_hf(name, full)
 
     def adapter_factors(self, gather: Gather | None = None) -> Iterator[tuple[lora.LoraTarget, torch.Tensor, torch.Tensor]]:
-        """(target, A, B) for every adapter, full and in the canonical shapes (titanite/lora)."""
+        """(target, A, B) for every adapter, full and in the canonical shapes (titanite/models/lora)."""
         assert self.lora is not None, "not a LoRA model"
         for t in self.lora.targets:
             yield (t, *self._full_factors(t, gather or _identity))
@@ -229,7 +229,7 @@ class ModelHandle(ABC):
 
     def _inject_lora(self, cfg: LoraConfig) -> list[lora.LoraTarget]:
         """Put the backend's adapters in place; the targets in a fixed order (layer, projection)."""
-        from titanite.errors import UserError
+        from titanite.core.errors import UserError
 
         raise UserError(f"config key 'lora.enabled': model.spec = '{self.backend}' has no LoRA support")
 
@@ -276,7 +276,7 @@ class ModelHandle(ABC):
     def keep_parts(self, parts: list[Part]) -> None:
         """Cut the meta-device model to the pipeline stages this rank runs (models/stage.py)."""
         if self.pipeline_modules is None:
-            from titanite.errors import UserError
+            from titanite.core.errors import UserError
 
             raise UserError(f"parallelism.pp > 1: model.spec = '{self.backend}' cannot be split into pipeline stages")
         self._whole = {"params": self.num_params()}

@@ -13,8 +13,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titanite.config import ModelConfig
-from titanite.errors import UserError, did_you_mean
+from titanite.core.config import ModelConfig
+from titanite.core.errors import UserError, did_you_mean
 from titanite.models.handle import ModelHandle
 
 _BUILTIN = {"qwen3": "titanite.models.qwen3.handle", "hf": "titanite.models.hf.handle"}

@@ -1,5 +1,5 @@
 """A model cut to the pipeline stages one rank runs (single-device code: pipeline parallelism
-itself is titanite/parallel/pipeline.py).
+itself is titanite/parallel/pipeline_runner.py).
 
 Both backends' forwards take a `Part` (which blocks to run, whether the embedding and the head are
 in it). `keep_parts` removes from a meta-device model whatever none of a rank's parts runs. The

@@ -1,6 +1,6 @@
 """The parallel layer: meshes, sharding plans, and the DTensor knowledge the model layer must not import.
 
-Importing any of it registers how a DTensor's local box is found, for titanite.checkpoint.sharded
+Importing any of it registers how a DTensor's local box is found, for titanite.formats.sharded
 (which fills sharded models from the model layer without importing torch.distributed).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from titanite.checkpoint.sharded import Box, register_sharded_box
+from titanite.formats.sharded import Box, register_sharded_box
 
 
 def dtensor_box(t: torch.Tensor) -> Box:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titanite import device as devices
+from titanite.device.choice import compile_backend
 from titanite.kernels import context_parallel
 
 # Outputs worth keeping under selective checkpointing: the matmuls and attention, whose
@@ -67,6 +67,6 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
 def apply_compile(blocks: Iterable[nn.Module], device: torch.device) -> None:
     """torch.compile each block's forward (after checkpointing, so recomputation is compiled too),
     with the backend the device supports (titanite.device.compile_backend)."""
-    backend = devices.compile_backend(device)
+    backend = compile_backend(device)
     for block in blocks:
         block.forward = torch.compile(block.forward, fullgraph=False, backend=backend)

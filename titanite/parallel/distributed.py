@@ -12,18 +12,18 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from collections.abc import Iterator
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanite import device as devices
-from titanite.checkpoint.sharded import Index, local_box
-from titanite.config import ParallelismConfig
+from titanite.core.config import ParallelismConfig
+from titanite.device.choice import dist_backend, process_group_kwargs
+from titanite.formats.sharded import Index, local_box
 from titanite.parallel.mesh import ParallelDims
 
 log = logging.getLogger("titanite")
@@ -266,9 +266,9 @@ def init(device: torch.device, pcfg: ParallelismConfig) -> World:
         return World(device=device, dims=dims)
     rank = int(os.environ["RANK"])
     if not dist.is_initialized():
-        backend = devices.dist_backend(device)
+        backend = dist_backend(device)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=pcfg.collective_timeout_s),
-                                **devices.process_group_kwargs(device, backend))
+                                **process_group_kwargs(device, backend))
     meshes = dims.build_meshes(device.type)
     dp_mesh = meshes["dp"]
     world = World(rank=rank, size=size, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),

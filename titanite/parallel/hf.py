@@ -32,9 +32,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanite.config import Config
-from titanite.models.stage import module_at, present
+from titanite.core.config import Config
 from titanite.models.handle import ModelHandle
+from titanite.models.stage import module_at, present
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanite.config import ParallelismConfig
-from titanite.errors import UserError
+from titanite.core.config import ParallelismConfig
+from titanite.core.errors import UserError
 
 
 @dataclass(frozen=True)

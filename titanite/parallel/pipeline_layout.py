@@ -1,15 +1,15 @@
 """Pipeline parallelism's layout, as plain arithmetic: which schedules exist, how the layers are
 split into stages, which stages each pipeline rank runs and what a schedule needs.
 
-The trainer (titanite/parallel/pipeline.py), the preflight checks and the planner
-(titanite/plan/pipeline.py) all read it from here, so they agree on every number.
+The trainer (titanite/parallel/pipeline_runner.py), the preflight checks and the planner
+(titanite/plan/pipeline_costs.py) all read it from here, so they agree on every number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanite.errors import UserError, did_you_mean
+from titanite.core.errors import UserError, did_you_mean
 from titanite.models.flops import head_flops, layer_flops
 from titanite.models.qwen3.args import Qwen3Args
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from titanite.config import Config
-from titanite.errors import UserError
+from titanite.core.config import Config
+from titanite.core.errors import UserError
 from titanite.models.handle import ModelHandle
 from titanite.models.stage import Part
 from titanite.parallel.distributed import World

@@ -8,9 +8,9 @@ parameter in one group.
 
 from __future__ import annotations
 
-from titanite.config import Config
-from titanite.models.stage import present
+from titanite.core.config import Config
 from titanite.models.handle import ModelHandle
+from titanite.models.stage import present
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from titanite.parallel.lora_tp import adapt_plan
 from titanite.models.stage import present
+from titanite.parallel.lora_tp import adapt_plan
 
 
 def _gather_sequence(mesh: DeviceMesh):

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanite.config import Config
+from titanite.core.config import Config
+from titanite.core.errors import UserError
 from titanite.data.packing import packing_mode
-from titanite.errors import UserError
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan.counts import GiB

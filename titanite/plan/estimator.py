@@ -22,7 +22,7 @@ sequence: the per-token counts above are for that share, and titanite/plan/conte
 what CP adds (the gathered keys and values, their gradients, the shared attention mask) and the
 bytes its collectives move per step (`Estimate.context`).
 
-Under pipeline parallelism (`parallelism.pp` > 1) titanite/plan/pipeline.py counts each pipeline
+Under pipeline parallelism (`parallelism.pp` > 1) titanite/plan/pipeline_costs.py counts each pipeline
 rank's stages: their states, the activations of the micro-batches the schedule keeps in flight
 there, their moments; the estimate is the most loaded rank's, `Estimate.pipeline` holds every
 rank's, the bubble and the point-to-point traffic.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanite.config import Config, KernelsConfig
-from titanite.device import is_host, pick_device
+from titanite.core.config import Config, KernelsConfig
+from titanite.device.choice import is_host, pick_device
 from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
@@ -41,15 +41,29 @@ from titanite.models.spec import get_spec
 from titanite.parallel import pipeline_layout
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan.context import ContextShare, add_context, context_share, local_tokens
-from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors,
-                                  uses_fsdp)
+from titanite.plan.counts import (
+    Tensor,
+    activation_bytes,
+    fsdp_transient,
+    layer_tensors,
+    sharded,
+    top_tensors,
+    uses_fsdp,
+)
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import accumulation_steps, step_phases
-from titanite.plan.pipeline import PipelineShare, counting_pass, pipeline_share
-from titanite.plan.preference import (PreferenceShare, add_reference, is_preference, loss_terms, loss_values,
-                                      preference_share, sequences_per_micro_batch)
-from titanite.preflight import check_layout, choose_loss
+from titanite.plan.pipeline_costs import PipelineShare, counting_pass, pipeline_share
+from titanite.plan.preference import (
+    PreferenceShare,
+    add_reference,
+    is_preference,
+    loss_terms,
+    loss_values,
+    preference_share,
+    sequences_per_micro_batch,
+)
+from titanite.run.preflight import check_layout, choose_loss
 
 
 @dataclass
@@ -126,7 +140,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
         flops += base / 3  # one more forward of the blocks (the head is not recomputed; a slight overcount)
     if a.num_experts and ((cfg.model.aux_loss_scope == "global_batch" and accumulation_steps(cfg, d) > 1)
                           or (layout is not None and counting_pass(a))):
-        # the counting forward of every micro-batch (titanite/models/moe_balance.py, titanite/lm_pipeline.py)
+        # the counting forward of every micro-batch (titanite/models/moe_balance.py, titanite/run/lm_step_pipelined.py)
         flops += base / 3
     if on_gloo is None:
         on_gloo = is_host(pick_device(cfg.job.device))
@@ -136,7 +150,7 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
     phases = step_phases(cfg, a, d, top, tokens, profile.keeps_logits, memory, block_grads, on_gloo, gloo_buffers,
                          terms)
     cp = context_share(cfg, a, d, sequences_per_micro_batch(cfg), accumulation_steps(cfg, d), host=on_gloo)
-    if layout is not None:  # the most loaded pipeline rank's figures (titanite/plan/pipeline.py)
+    if layout is not None:  # the most loaded pipeline rank's figures (titanite/plan/pipeline_costs.py)
         pipe = pipeline_share(cfg, a, d, layout, tokens, profile, on_gloo, gloo_buffers, flops, cp)
         w = pipe.worst
         return Estimate(d, *w.memory, w.flops_per_step, global_tokens, lora=w.lora, phases=w.phases,

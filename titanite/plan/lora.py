@@ -37,15 +37,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from titanite.config import Config, LoraConfig
-from titanite.lora import check_dropout, chosen_targets
+from titanite.core.config import Config, LoraConfig
 from titanite.models.flops import lora_flops_per_token
 from titanite.models.handle import ActivationProfile
+from titanite.models.lora import check_dropout, chosen_targets
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.stage import Part
 from titanite.parallel.mesh import ParallelDims
-from titanite.plan.counts import (Tensor, activation_bytes, fsdp_transient, layer_tensors, sharded, top_tensors,
-                                  uses_fsdp)
+from titanite.plan.counts import (
+    Tensor,
+    activation_bytes,
+    fsdp_transient,
+    layer_tensors,
+    sharded,
+    top_tensors,
+    uses_fsdp,
+)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -106,7 +113,7 @@ def projections(a: Qwen3Args, i: int) -> list[Projection]:
 
 def lora_targets(a: Qwen3Args, lo: LoraConfig) -> set[str]:
     """The target names of `lora.target_modules` on this model, checked as training checks them
-    (titanite.lora): 'all-linear' is every projection it has (not the head, not the router)."""
+    (titanite.models.lora): 'all-linear' is every projection it has (not the head, not the router)."""
     targets = chosen_targets(lo, {p.name for i in range(a.num_layers) for p in projections(a, i)})
     check_dropout(lo, targets)
     return targets

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from titanite.config import Config
+from titanite.core.config import Config
 from titanite.kernels.chunked_loss import chunk_rows
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims

@@ -4,7 +4,7 @@ titanite/plan/counts.py, lora.py and estimator.py count the rest.
 A DPO micro-batch of `training.batch_size` pairs is 2 x batch_size sequences (the chosen rows,
 then the rejected ones), each padded to data.seq_len, so the policy's activations are those of
 2 x batch_size sequences. Each sequence's summed log-probability comes from the model's `loss`
-op one sequence at a time (titanite/preference/reference.py, sequence_logps, and
+op one sequence at a time (titanite/run/preference/reference.py, sequence_logps, and
 kernels.loss_per_row), with `kernels.loss` chosen as for language-model training ('auto': the
 chunked op when the micro-batch's fp32 logits would take over a tenth of the device):
 - the chunked op keeps one fp32 log-sum-exp per token; its backward holds one chunk of one
@@ -15,7 +15,7 @@ chunked op when the micro-batch's fp32 logits would take over a tenth of the dev
   cross-entropy runs on the whole micro-batch: its fp32 log-softmax [2B x S, V], the whole
   vocabulary on every rank, then three of them in backward.
 
-The reference policy, as titanite/preference/reference.py holds it (preference.reference and
+The reference policy, as titanite/run/preference/reference.py holds it (preference.reference and
 loss_type):
 - 'model', no LoRA (or LoRA with preference.reference_path): a second frozen model on every
   rank, sharded as the policy (FSDP2/HSDP, TP, EP), stored in the policy's parameter dtype
@@ -39,7 +39,7 @@ gathered logits, whichever is larger; and, under FSDP, its gathered copies: the 
 current and prefetched, and, untied, the head's group (tests/test_preference_estimate.py holds
 this to the bytes a real no-grad forward allocates).
 It is a moment of its own ("reference forward"): the reference runs first in each micro-batch,
-before the policy's forward (titanite/preference/objective.py), so beside it the policy holds
+before the policy's forward (titanite/run/preference/objective.py), so beside it the policy holds
 its states only: parameters and optimizer state, and, with gradient accumulation, the gradients
 of the earlier micro-batches. With LoRA the reference's forward is the policy's module, whose
 FSDP root group (tied embeddings) it gathers, and which stays gathered into the policy's forward.
@@ -53,14 +53,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanite.config import Config
+from titanite.core.config import Config
 from titanite.kernels.chunked_loss import chunk_rows
 from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan.counts import Tensor, layer_activation_elems, sharded, uses_fsdp
-from titanite.preference.reference import adapters_are_reference, uses_reference
+from titanite.run.preference.reference import adapters_are_reference, uses_reference
 
 # the reference as the estimate counts it -> what the report calls it
 KINDS = {"model": "a second frozen copy of the model",
@@ -99,7 +99,7 @@ def is_preference(cfg: Config) -> bool:
 
 
 def reference_kind(cfg: Config) -> str:
-    """The reference a DPO config trains with (titanite/preference/reference.py decides): 'model',
+    """The reference a DPO config trains with (titanite/run/preference/reference.py decides): 'model',
     'adapters off', 'precomputed' or 'none'."""
     if not uses_reference(cfg):
         return "none"

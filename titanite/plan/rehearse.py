@@ -14,11 +14,11 @@ Reported per rank, in bytes:
 - parameters (the stored dtype of each local shard), gradients (fp32, trainable shards only),
   AdamW's two fp32 moments (trainable shards only);
 - the checkpoint bytes the rank reads at start-up: the slices of the on-disk tensors that fall
-  in its shards (titanite/checkpoint/sharded.py), at the checkpoint's bytes per element;
+  in its shards (titanite/formats/sharded.py), at the checkpoint's bytes per element;
 - the start-up peak: the trainer allocates only the rank's shards and fills them one on-disk
   tensor at a time, so the peak is the shards plus the largest tensor of the Hugging Face layout
   (one expert's matrix for MoE experts), counted in fp32 as a random init draws it;
-- for a DPO run whose reference is a second model (titanite/preference/reference.py), that model
+- for a DPO run whose reference is a second model (titanite/run/preference/reference.py), that model
   too: built, sharded by the same plan (without activation checkpointing, as the trainer
   does) and frozen, its parameters' stored bytes (`reference`; in the start-up peak as well). A
   LoRA run's reference is its own base (adapters off) and a precomputed one is not held: none.
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from titanite.checkpoint.safetensors_io import read_header
-from titanite.checkpoint.sharded import local_part
-from titanite.config import Config, KernelsConfig
-from titanite.config_checks import validate
-from titanite.errors import UserError
+from titanite.core.config import Config, KernelsConfig
+from titanite.core.config_checks import validate
+from titanite.core.errors import UserError
+from titanite.formats.safetensors_io import read_header
+from titanite.formats.sharded import local_part
 from titanite.models.spec import get_spec
 from titanite.parallel import pipeline_layout
 from titanite.parallel.distributed import World
@@ -48,9 +48,9 @@ from titanite.parallel.plans import parallelize
 from titanite.plan.counts import GiB
 from titanite.plan.estimator import estimate
 from titanite.plan.phases import accumulation_steps
-from titanite.plan.pipeline import rank_parts
-from titanite.preference.reference import reference_model_config
-from titanite.preflight import check_layout
+from titanite.plan.pipeline_costs import rank_parts
+from titanite.run.preference.reference import reference_model_config
+from titanite.run.preflight import check_layout
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def rehearse_rank(cfg: Config, world_size: int, rank: int) -> RankFigures:
 
 def _reference_bytes(cfg: Config, dims: ParallelDims, world: World) -> int:
     """The stored bytes of this rank's shards of a DPO run's separate reference model, built and
-    sharded as the trainer does (titanite/preference/reference.py); 0 when there is none."""
+    sharded as the trainer does (titanite/run/preference/reference.py); 0 when there is none."""
     mcfg = reference_model_config(cfg)
     if mcfg is None or cfg.preference.reference == "precomputed":  # precomputed: dropped before training
         return 0

@@ -6,8 +6,8 @@ memory rows are then the most loaded pipeline rank's)."""
 
 from __future__ import annotations
 
-from titanite.config import Config
-from titanite.device import Peak
+from titanite.core.config import Config
+from titanite.device.peak import Peak
 from titanite.plan.counts import GiB
 from titanite.plan.estimator import Estimate
 

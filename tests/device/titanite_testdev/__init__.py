@@ -25,8 +25,10 @@ def _claim_privateuse1() -> None:
 
 _claim_privateuse1()
 
-from titanite_testdev import _C  # noqa: E402  (registers the backend's kernels and hooks)
-from titanite_testdev import device_module  # noqa: E402
+from titanite_testdev import (
+    _C,  # noqa: E402  (registers the backend's kernels and hooks)
+    device_module,  # noqa: E402
+)
 
 if not hasattr(torch, NAME):
     torch._register_device_module(NAME, device_module)

@@ -16,11 +16,17 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from titanite.checkpoint.safetensors_io import read_hf_config
-from titanite.config import ModelConfig
-from titanite.errors import UserError
-from titanite.models.qwen3.args import (Qwen3Args, from_hf_config, rope_fields, rope_parameters, to_hf_config,
-                                        with_rope_scaling)
+from titanite.core.config import ModelConfig
+from titanite.core.errors import UserError
+from titanite.formats.safetensors_io import read_hf_config
+from titanite.models.qwen3.args import (
+    Qwen3Args,
+    from_hf_config,
+    rope_fields,
+    rope_parameters,
+    to_hf_config,
+    with_rope_scaling,
+)
 from titanite.models.qwen3.flavors import get_flavor
 
 log = logging.getLogger("titanite")

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from titanite.config import KernelsConfig, LoraConfig, ModelConfig
-from titanite.lora import LoraTarget
-from titanite.errors import UserError
+from titanite.core.config import KernelsConfig, LoraConfig, ModelConfig
+from titanite.core.errors import UserError
 from titanite.models.handle import ActivationProfile, ModelHandle, TrainOutput
 from titanite.models.hf import config as hf_config
 from titanite.models.hf.model import HFCausalLM
 from titanite.models.hf.state_dict import HEAD, PREFIX, HFStateDictAdapter
+from titanite.models.lora import LoraTarget
 from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.qwen3.args import to_hf_config
 
@@ -99,7 +99,7 @@ class HFModel(ModelHandle):
         return self.args.tie_word_embeddings and name == PREFIX + HEAD  # the embedding, written once
 
     def _inject_lora(self, cfg: LoraConfig) -> list[LoraTarget]:
-        from titanite.lora import hf as lora_hf
+        from titanite.models.lora import hf as lora_hf
 
         self.module.tie()
         return lora_hf.apply(self.module, cfg)

@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from titanite.config_checks import rope_scaling_fields, rope_type_of
-from titanite.errors import UserError
+from titanite.core.config_checks import rope_scaling_fields, rope_type_of
+from titanite.core.errors import UserError
 
 log = logging.getLogger("titanite")
 

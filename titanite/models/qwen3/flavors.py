@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from titanite.errors import UserError, did_you_mean
+from titanite.core.errors import UserError, did_you_mean
 from titanite.models.qwen3.args import Qwen3Args
 
 _QWEN3_VOCAB = 151936

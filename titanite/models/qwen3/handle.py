@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from titanite.checkpoint.safetensors_io import read_hf_config
-from titanite.config import KernelsConfig, LoraConfig, ModelConfig
-from titanite.lora import LoraTarget
-from titanite.errors import UserError
-from titanite.checkpoint.sharded import RegionGather
+from titanite.core.config import KernelsConfig, LoraConfig, ModelConfig
+from titanite.core.errors import UserError
+from titanite.formats.safetensors_io import read_hf_config
+from titanite.formats.sharded import RegionGather
 from titanite.models.handle import ActivationProfile, AllReduce, ModelHandle, ModelOptions, TrainOutput
+from titanite.models.lora import LoraTarget
 from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config, with_rope_scaling
 from titanite.models.qwen3.flavors import get_flavor
@@ -83,7 +83,7 @@ class Qwen3Model(ModelHandle):
         yield from super().hf_state_dict(regions, merged)
 
     def _inject_lora(self, cfg: LoraConfig) -> list[LoraTarget]:
-        from titanite.lora import native
+        from titanite.models.lora import native
 
         return native.apply(self.module, cfg)
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from titanite import kernels
-from titanite.errors import UserError
+from titanite.core.errors import UserError
 from titanite.kernels.routing import RoutingRecord, expert_counts
 
 
