@@ -13,7 +13,7 @@ The rows (each in its own process, so each has its own peak RSS):
                    conversations prompt + chosen: 2 x batch_size sequences a step, the same
                    tokens a DPO step's policy trains on;
 - trl:             trl.DPOTrainer (TRL 1.16) with ref_model = the second checkpoint, set up as
-                   tests/preference_fixtures.py sets it up to match titanite (fp32, CPU,
+                   tests/fixtures/preference.py sets it up to match titanite (fp32, CPU,
                    constant LR, no weight decay, AdamW (0.9, 0.999), clipping 1.0, no dropout,
                    no gradient checkpointing) with TRL's default optimizer on torch >= 2.8,
                    adamw_torch_fused (titanite's AdamW is fused too; the foreach one,
@@ -94,7 +94,7 @@ def make_inputs(root: Path, args: argparse.Namespace) -> dict[str, Path]:
     import torch
     import transformers
 
-    from tests.chat_fixtures import make_chat_tokenizer
+    from tests.fixtures.chat import make_chat_tokenizer
 
     threads = torch.get_num_threads()  # tests.conftest (imported above) sets the thread count: undo
     tok_dir = make_chat_tokenizer(root / "tokenizer")

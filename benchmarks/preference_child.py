@@ -1,6 +1,6 @@
 """The child processes of benchmarks/preference.py: each row runs in its own process (so each has
 its own peak RSS) and prints one JSON line of what it measured. titanite's rows drive a Trainer
-by hand; TRL's run trl.DPOTrainer as tests/preference_fixtures.py sets it up to match titanite.
+by hand; TRL's run trl.DPOTrainer as tests/fixtures/preference.py sets it up to match titanite.
 Also the probes both kinds use: VmHWM, the resident set's parts, and live tensors over a step."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def trl_child(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from tests.preference_fixtures import load_tokenizer, transformers_causal_lm
+    from tests.fixtures.preference import load_tokenizer, transformers_causal_lm
 
     torch.set_num_threads(args.threads)
     steps = args.warmup + args.steps
@@ -253,7 +253,7 @@ def imports_child(args: argparse.Namespace) -> dict:
         import peft  # noqa: F401
         from trl import DPOConfig, DPOTrainer  # noqa: F401
 
-        import tests.preference_fixtures  # noqa: F401
+        import tests.fixtures.preference  # noqa: F401
         from titanite.device import set_host_memory_policy  # noqa: F401
     else:
         import titanite.core.config  # noqa: F401

@@ -27,7 +27,7 @@ os.environ["WANDB_CACHE_DIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "wand
 # Fixture modules that test files load with `pytest_plugins` (session-scoped runs shared by
 # several files): those files import them before pytest would, so ask for their asserts to be
 # rewritten here.
-pytest.register_assert_rewrite("tests.lora_fixtures", "tests.reliability_fixtures")
+pytest.register_assert_rewrite("tests.fixtures.lora", "tests.fixtures.reliability")
 
 
 def corpus_texts(n: int = 200) -> list[str]:

@@ -46,7 +46,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 # How a sharded tensor's box is found: the parallel layer, which creates DTensors, registers it
 # (titanite/parallel/__init__.py), so this module, reached from the model layer, never imports
-# torch.distributed (tests/test_layers.py).
+# torch.distributed (tests/architecture/test_layers.py).
 _sharded_box: Callable[[torch.Tensor], Box] | None = None
 
 

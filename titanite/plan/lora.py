@@ -26,7 +26,7 @@ A LoRA run (`[lora] enabled`) holds, per rank:
   mixed_precision bf16, else fp32) and kept by autograd for backward: one expert stack (this
   rank's experts, the adapted projections) per MoE layer without checkpointing, or one layer's
   worth, rebuilt in backward, as transient with it.
-  Checked against the native model's saved tensors (tests/test_lora_estimate.py);
+  Checked against the native model's saved tensors (tests/plan/test_lora_estimate.py);
 - transient: FSDP's gathered copies as in a full fine-tune, of the base and the adapters, in the
   compute dtype (FSDP's mixed-precision policy casts before the all-gather); the biggest block's
   unsharded fp32 adapter gradients; and the gradient of one layer's effective expert weights.

@@ -26,7 +26,7 @@ FSDP, the head's all-gather output can outlive the copy into its parameters, and
 of the head's reduce-scatter input can outlive that reduce-scatter into the embedding's: up to
 one vocabulary matrix in the compute dtype and one in fp32 above the phases. They are left out:
 counted, the estimate was 14% above a measured 2-rank run (docs/performance.md).
-tests/test_estimate_peak.py holds the phases to the peak torch allocates in a real step.
+tests/plan/test_estimate_peak.py holds the phases to the peak torch allocates in a real step.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ rank, in bytes:
     InterleavedZeroBubble  min(v n, (v - 1) m + pp)       (weight gradients deferred r steps on rank r)
     ZBVZeroBubble          min(2 pp, n + r + 1)
     DualPipeV              min(2 n, 2 pp + 1)             (2 pp after its warm-up, one more overlapped)
-  (tests/test_plan_pipeline.py holds each to the order torch's schedule builds). With one stage per
+  (tests/plan/test_plan_pipeline.py holds each to the order torch's schedule builds). With one stage per
   rank it is exact; with more it is an upper bound where the rank's stages keep different amounts
   (the first and the last stage's ends). One block is rebuilt at a time under checkpointing, as
   without pipelining;

@@ -36,7 +36,7 @@ checkpointing, counts.layer_activation_elems) or, at the head, the final hidden 
 sequence's loss op (the reference op: its logits in the compute dtype, their fp32 copy and
 log-softmax; the chunked op: one chunk), or under tensor parallel the whole micro-batch's
 gathered logits, whichever is larger; and, under FSDP, its gathered copies: the biggest block,
-current and prefetched, and, untied, the head's group (tests/test_preference_estimate.py holds
+current and prefetched, and, untied, the head's group (tests/plan/test_preference_estimate.py holds
 this to the bytes a real no-grad forward allocates).
 It is a moment of its own ("reference forward"): the reference runs first in each micro-batch,
 before the policy's forward (titanite/run/preference/objective.py), so beside it the policy holds
