@@ -103,21 +103,21 @@ def main(argv: list[str]) -> int:
     peak = _planned_peak(cfg, args.plan_for, acc, dtype)
     on_gloo = {"auto": None, "cpu": True, "accelerator": False}[args.plan_for]
     memory = args.device_memory_gib * GiB or None  # kernels.loss = "auto" resolves against it
-    e = estimate(cfg, world, on_gloo=on_gloo, device_memory=memory)
-    print(report(e, cfg, peak))
-    train_peak = e.total
-    if args.rehearse and e.pipeline is not None:
-        train_peak = _rehearse_pipeline(cfg, world, e, args.device_memory_gib)
+    plan = estimate(cfg, world, on_gloo=on_gloo, device_memory=memory)
+    print(report(plan, cfg, peak))
+    train_peak = plan.total
+    if args.rehearse and plan.pipeline is not None:
+        train_peak = _rehearse_pipeline(cfg, world, plan, args.device_memory_gib)
     elif args.rehearse:
         figures = rehearse(cfg, world)
         print(rehearsal_report(figures, args.device_memory_gib or None))
         f = max(figures, key=lambda x: x.states + x.reference)
-        reference = e.preference.params_bytes if e.preference is not None else 0.0
-        print(f"  rehearsal / estimate: parameters {f.params / e.params:.3f}, gradients "
-              f"{f.grads / max(e.grads, 1):.3f}, optimizer {f.optimizer / max(e.optimizer, 1):.3f}"
+        reference = plan.preference.params_bytes if plan.preference is not None else 0.0
+        print(f"  rehearsal / estimate: parameters {f.params / plan.params:.3f}, gradients "
+              f"{f.grads / max(plan.grads, 1):.3f}, optimizer {f.optimizer / max(plan.optimizer, 1):.3f}"
               + (f", reference model {f.reference / reference:.3f}" if reference else ""))
         # the phases, with the rehearsal's own states (and reference model)
-        train_peak = e.total - e.states - reference + f.states + f.reference
+        train_peak = plan.total - plan.states - reference + f.states + f.reference
     if args.device_memory_gib:
         if train_peak / GiB > args.device_memory_gib:
             better = fitting_layout(cfg, world, args.device_memory_gib, on_gloo)

@@ -39,9 +39,9 @@ log = logging.getLogger("titanite")
 
 def new_cache(model: Qwen3, batch: int, max_len: int) -> KVCache:
     """An empty cache sized for `model` (a native Qwen3), in its parameters' dtype and device."""
-    a = model.args
+    arch = model.args
     p = next(model.parameters())
-    return KVCache(a.num_layers, batch, a.num_kv_heads, a.head_dim, max_len, p.dtype, p.device)
+    return KVCache(arch.num_layers, batch, arch.num_kv_heads, arch.head_dim, max_len, p.dtype, p.device)
 
 
 def forward_cached(model: Qwen3, ids: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:

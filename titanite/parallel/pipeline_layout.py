@@ -199,10 +199,10 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
             raise UserError(f"config key 'parallelism.pp_split' {p.pp_split} is set but parallelism.pp = 1; "
                             "leave it empty or raise parallelism.pp")
         return None
-    a = handle.args
+    arch = handle.args
     unsupported = [
         (handle.pipeline_modules is None, f"model.spec = '{handle.backend}' (it cannot be split into stages)"),
-        (a.tie_word_embeddings, "tied input and output embeddings (tie_word_embeddings: the first and the last "
+        (arch.tie_word_embeddings, "tied input and output embeddings (tie_word_embeddings: the first and the last "
                                 "stage would share one matrix)"),
         (cfg.training.objective != "lm", f"training.objective = '{cfg.training.objective}'"),
         (p.compile, "parallelism.compile = true"),
@@ -213,7 +213,7 @@ def check(cfg, dims, handle, step_microbatches: int) -> PipelineLayout | None:
         if bad:
             raise UserError(f"parallelism.pp = {dims.pp} is not supported together with {what} yet; set "
                             "parallelism.pp = 1 or change that setting")
-    layout = resolve(dims.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), a, cfg.data.seq_len,
+    layout = resolve(dims.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), arch, cfg.data.seq_len,
                      step_microbatches, p.pp_stages_per_rank)
     if layout.schedule.split_backward and (dims.dp > 1 or dims.cp > 1):
         # Its weight-gradient actions run after FSDP's post-backward, which would reduce-scatter

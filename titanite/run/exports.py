@@ -94,6 +94,6 @@ def loop_benchmarks(ctx: StepContext, tokenizer: Tokenizer) -> LoopBenchmarks:
         with ctx.autocast:
             return distributed.full_tensor(ctx.model(F.pad(ids, (0, -width % ctx.world.tp))))[:, :width]
 
-    e = ctx.cfg.eval
-    return LoopBenchmarks(e, logits, tokenizer.path.parent, ctx.handle.args.max_position_embeddings,
-                          e.batch_size or ctx.cfg.training.batch_size, ctx.device, ctx.world.min_over_ranks)
+    eval_cfg = ctx.cfg.eval
+    return LoopBenchmarks(eval_cfg, logits, tokenizer.path.parent, ctx.handle.args.max_position_embeddings,
+                          eval_cfg.batch_size or ctx.cfg.training.batch_size, ctx.device, ctx.world.min_over_ranks)

@@ -50,12 +50,12 @@ class StageBalance:
     counting pass's counts of every stage, and the loss shares the stages add."""
 
     def __init__(self, ctx: StepContext) -> None:
-        a = ctx.handle.args
+        arch = ctx.handle.args
         self.ctx, self.handle = ctx, ctx.handle
-        self.moe = [i for i in range(a.num_layers) if a.layer_is_moe(i)]
+        self.moe = [i for i in range(arch.num_layers) if arch.layer_is_moe(i)]
         self.slot = {i: n for n, i in enumerate(self.moe)}
-        self.experts, self.coef = a.num_experts, a.router_aux_loss_coef
-        self.trained, self.scope = bool(a.output_router_logits), ctx.cfg.model.aux_loss_scope
+        self.experts, self.coef = arch.num_experts, arch.router_aux_loss_coef
+        self.trained, self.scope = bool(arch.output_router_logits), ctx.cfg.model.aux_loss_scope
         self.counting = False
         self.reset()
 
@@ -95,8 +95,8 @@ class StageBalance:
         L, T = len(self.moe), float(self.tokens)
         if self.scope == "micro_batch":
             f = self.known.index_select(0, m)[0].sum(0) / (T * L)
-            w = self.ctx.world
-            term = self.coef * self.experts * (f * probs.sum(0) / (T * L)).sum() / (self.ctx.accum * w.dp_size)
+            world = self.ctx.world
+            term = self.coef * self.experts * (f * probs.sum(0) / (T * L)).sum() / (self.ctx.accum * world.dp_size)
         else:
             term = self.coef * global_balance(probs, self.global_counts[slots], self.global_tokens) * len(slots) / L
         term = term / self.ctx.world.cp  # every cp rank holds the whole sequences' records: a 1/cp share each
@@ -107,18 +107,18 @@ class StageBalance:
 
     def counted(self) -> None:
         """After the counting pass: every stage's counts, and the step's over the data-parallel ranks."""
-        w = self.ctx.world
-        self.known = w.all_reduce_sum_pp(self.counts.clone())
-        self.global_counts = w.all_reduce_sum_dp(self.known.sum(0).clone())
-        self.global_tokens = float(self.tokens * self.ctx.accum * w.dp_size)
+        world = self.ctx.world
+        self.known = world.all_reduce_sum_pp(self.counts.clone())
+        self.global_counts = world.all_reduce_sum_dp(self.known.sum(0).clone())
+        self.global_tokens = float(self.tokens * self.ctx.accum * world.dp_size)
         self.counts.zero_()
 
     def finish(self) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """(The trained balancing loss summed over the stages and ranks or None, the step's MoE stats)."""
-        w, ctx = self.ctx.world, self.ctx
-        packed = w.all_reduce_sum_pp(torch.stack([self.counts, self.probs]))
+        world, ctx = self.ctx.world, self.ctx
+        packed = world.all_reduce_sum_pp(torch.stack([self.counts, self.probs]))
         stats: dict[str, torch.Tensor] = {}
-        report = StepBalance(self.scope, self.coef, False, ctx.accum, w.dp_size, w.cp, w.all_reduce_sum_dp)
+        report = StepBalance(self.scope, self.coef, False, ctx.accum, world.dp_size, world.cp, world.all_reduce_sum_dp)
         for m in range(ctx.accum):
             records = [(i, RoutingRecord(packed[0, m, n], packed[1, m, n], self.tokens)) for n, i in enumerate(self.moe)]
             balance = load_balancing_loss([r for _, r in records], self.experts)
@@ -126,7 +126,7 @@ class StageBalance:
             for k, v in routing_stats(records, balance).items():
                 stats[k] = stats.get(k, 0.0) + v / ctx.accum
         stats |= report.stats()
-        aux = w.all_reduce_sum_loss(w.all_reduce_sum_pp(self.terms.sum())) if self.trained else None
+        aux = world.all_reduce_sum_loss(world.all_reduce_sum_pp(self.terms.sum())) if self.trained else None
         return aux, stats
 
 

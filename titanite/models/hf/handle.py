@@ -132,16 +132,16 @@ class HFModel(ModelHandle):
         expert-load stats from what each `moe.router` call recorded."""
         if self._installed is None:  # not attached: every call site runs its op's default
             self._install()
-        a = self.args
+        arch = self.args
         fused = not self.loss_from_logits
         out = self.module.run(batch["input_ids"], batch["position_ids"], batch.get("document_ids"),
                               labels=batch["labels"] if fused else None)
         logits, loss_sum = (None, out.logits) if fused else (out.logits, None)
-        if not a.is_moe:
+        if not arch.is_moe:
             return TrainOutput(logits, loss_sum=loss_sum)
         records = pooled([(i, layer.mlp.gate.last_routing) for i, layer in enumerate(self.module.hf.model.layers)
-                          if a.layer_is_moe(i)])
-        balance = load_balancing_loss([r for _, r in records], a.num_experts)
-        aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
+                          if arch.layer_is_moe(i)])
+        balance = load_balancing_loss([r for _, r in records], arch.num_experts)
+        aux = arch.router_aux_loss_coef * balance if arch.output_router_logits else None
         return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum,
                            routing=[r for _, r in records])

@@ -105,14 +105,14 @@ class Qwen3Model(ModelHandle):
         layers = moe_layers(self.module)
         if not layers:
             return TrainOutput(logits, loss_sum=loss_sum)
-        a = self.args
+        arch = self.args
         records = pooled([(i, m.last_routing) for i, m in layers])
-        balance = load_balancing_loss([r for _, r in records], a.num_experts)
+        balance = load_balancing_loss([r for _, r in records], arch.num_experts)
         if self.options.moe_bias_update_rate and torch.is_grad_enabled():  # not evaluation's or a reference's
             with torch.no_grad():
                 for (_, m), (_, r) in zip(layers, records):
                     m.router.tokens_per_expert += r.counts
-        aux = a.router_aux_loss_coef * balance if a.output_router_logits else None
+        aux = arch.router_aux_loss_coef * balance if arch.output_router_logits else None
         return TrainOutput(logits, aux, routing_stats(records, balance), loss_sum=loss_sum,
                            routing=[r for _, r in records])
 
