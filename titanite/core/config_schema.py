@@ -43,10 +43,10 @@ class ModelConfig:
                    choices=("auto", "pretrained", "random"))
     init_std: float = _f(0.02, "Std of the normal init for linear and embedding weights (random init).")
     trust_remote_code: bool = _f(False, "Allow code shipped in hf_path to run (hf spec only). Off unless you set it.")
-    rope_scaling: dict = _f({}, "Extend the context at fine-tuning time without editing config.json: a [model.rope_scaling] table with transformers' rope_parameters fields, e.g. rope_type = 'yarn', factor = 4.0, original_max_position_embeddings = 32768. rope_type 'yarn' (factor > 1; optional original_max_position_embeddings, default the checkpoint's own yarn value or its max_position_embeddings; attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate with transformers' defaults), 'linear' or 'dynamic' (factor > 1); rope_theta optionally. It replaces the checkpoint's own RoPE scaling, on both backends, computed as transformers computes it; the HF export's config.json carries it (rope_parameters and the legacy rope_scaling), with max_position_embeddings = original x factor for yarn. Empty = the checkpoint's own RoPE.")
-    aux_loss_scope: str = _f("micro_batch", "MoE load-balancing loss (trained when config.json's output_router_logits is true, times router_aux_loss_coef): 'micro_batch' (transformers' loss: each micro-batch on each rank balances its own tokens) or 'global_batch' (Qwen3's: the expert frequencies are counted over the whole optimizer step, every micro-batch and data-parallel rank; per layer N_E x sum_i f_i p_i, averaged over layers; with gradient accumulation a no-grad counting forward of the step's micro-batches comes first). Both scopes' values are logged as moe/balance_micro and moe/balance_global.",
+    rope_scaling: dict = _f({}, "A [model.rope_scaling] table with transformers' rope_parameters fields (rope_type 'yarn', 'linear' or 'dynamic', factor, ...) that replaces the checkpoint's RoPE scaling; empty = the checkpoint's own. Details: docs/config.md.")
+    aux_loss_scope: str = _f("micro_batch", "MoE load-balancing loss scope: 'micro_batch' (transformers') or 'global_batch' (Qwen3's, counted over the whole optimizer step). Details: docs/config.md.",
                          choices=("micro_batch", "global_batch"))
-    moe_bias_update_rate: float = _f(0.0, "MoE auxiliary-loss-free load balancing (native qwen3 only): after every optimizer step each expert's routing bias moves by this much, down if the expert got more than the mean number of tokens, up if fewer (e.g. 1e-3). The bias only chooses experts, never weights them; it is saved in training checkpoints but has no place in the Hugging Face layout, so exports drop it (a warning says so). 0 = off.")
+    moe_bias_update_rate: float = _f(0.0, "Auxiliary-loss-free MoE balancing (native qwen3 only): the per-step move of each expert's routing bias, e.g. 1e-3; 0 = off. Details: docs/config.md.")
 
 
 @dataclass
@@ -95,7 +95,7 @@ class DataConfig:
     chat_template: str = _f("", "chat: a .jinja file with the chat template; empty = the tokenizer's own (chat_template.jinja or tokenizer_config.json).")
     chat_loss: str = _f("assistant", "chat: which tokens carry loss: 'assistant' (every assistant turn, end-of-turn token included), 'last_assistant' (the final turn only) or 'all'.",
                         choices=("assistant", "last_assistant", "all"))
-    sources: list[dict] = _f([], "A weighted mixture instead of data.path: [[data.sources]] tables with path (as data.path), weight (> 0; the share of sequences drawn from it, normalised over the sources), and optionally name (for metrics; default the file name), format, text_field and glob (default: this section's). Each source has its own token store and epochs; the draw is deterministic from job.seed.")
+    sources: list[dict] = _f([], 'A weighted mixture instead of data.path: [[data.sources]] tables with path and weight. Details: docs/config.md.')
     streaming: bool = _f(False, "Read and tokenize the source while training instead of preparing a token store (for data too big to prepare; a hub dataset is read in datasets' streaming mode): in order, no shuffling, 'stream' packing. The position is in every checkpoint, so resume is exact. Every data-parallel rank reads the whole stream.")
     prefetch: int = _f(2, "Batches made ahead in a background thread (in pinned host memory where the device supports it), so a step does not wait on data; 0 = made in the training loop.")
     cache_dir: str = _f("", "Folder of token stores: each source is tokenized once into a memory-mapped store there, keyed by its files and the tokenizer, and reused by later runs and every rank. Empty = $XDG_CACHE_HOME/titanite/tokens (~/.cache/titanite/tokens). `titanite data prepare` fills it ahead of time, in parallel.")
@@ -126,7 +126,7 @@ class CheckpointConfig:
     export_hf: bool = _f(True, "Write a Hugging Face folder to <output_dir>/hf at the end.")
     export_shard_mb: int = _f(DEFAULT_SHARD_MB, "Largest safetensors shard in an HF export, in MB.")
     export_merged: bool = _f(False, "LoRA runs: also write <output_dir>/hf with the adapters merged into the base weights (the published layout; transformers loads it without peft). The adapter itself goes to <output_dir>/adapter whenever export_hf is on.")
-    async_mode: str = _f("off", "'off': a save blocks the step until the checkpoint is written, hashed and renamed into place. 'async': the step waits only while the training state is copied to host memory; the write, hashing, manifest, rename and pruning run in a background thread (one host copy of this rank's state is kept for the run). 'async_pinned': the same, copied into pinned host memory where the device has it (else 'async', with a warning). The final save, an export, a SIGTERM and the next save wait for a save in flight; a background storage error stops the run with exit 2.",
+    async_mode: str = _f("off", "'off' (a save blocks the step), 'async' (the state is copied to host memory, then written in the background) or 'async_pinned' (the same, into pinned memory). Details: docs/config.md.",
                          choices=("off", "async", "async_pinned"))
 
 
@@ -155,12 +155,12 @@ REFERENCE_FREE_LOSSES = ("simpo",)
 @dataclass
 class PreferenceConfig:
     beta: float = _f(0.1, "How far the policy may move from the reference (TRL's beta; for 'ipo' the regulariser tau, for 'simpo' the reward scale).")
-    loss_type: str = _f("sigmoid", "The per-pair loss, as TRL 1.16 defines it: 'sigmoid' (DPO), 'ipo', 'hinge', 'robust' (with label_smoothing), 'exo_pair' (with label_smoothing), 'nca_pair', 'bco_pair', 'sppo_hard', 'aot' and 'aot_unpaired' (with label_smoothing; sorted within each micro-batch), 'apo_zero', 'apo_down', 'discopop' (with discopop_tau), 'sigmoid_norm' (length-normalised DPO), or the reference-free 'simpo' (length-normalised log-probabilities with the margin simpo_gamma, as TRL's CPOTrainer with loss_type='simpo').",
+    loss_type: str = _f("sigmoid", "The per-pair loss, as TRL 1.16 defines it ('sigmoid', 'ipo', 'hinge', 'robust', 'simpo', ...). Details: docs/config.md.",
                         choices=PREFERENCE_LOSSES)
     label_smoothing: float = _f(0.0, "'robust': the probability that a preference label is flipped, in [0, 0.5); 'exo_pair': the epsilon of EXO, in (0, 1); 'simpo': the label smoothing of CPO's sigmoid loss.")
     simpo_gamma: float = _f(0.5, "'simpo': the target reward margin gamma (TRL's simpo_gamma).")
     discopop_tau: float = _f(0.05, "'discopop': the temperature of the log-ratio modulation.")
-    reference: str = _f("model", "The reference policy: 'model' (a frozen copy held during training, by default the policy's starting weights, or reference_path; with LoRA the base with the adapters switched off, no second copy), 'precomputed' (its log-probabilities computed once before training and kept beside the token store, so it takes no memory while training) or 'none' (reference-free losses: 'simpo').",
+    reference: str = _f("model", "The reference policy: 'model', 'precomputed' or 'none'. Details: docs/config.md.",
                         choices=("model", "precomputed", "none"))
     reference_path: str = _f("", "A Hugging Face folder holding the reference's weights (same architecture and tokenizer as the policy); empty = the policy's starting weights (with LoRA: the base with the adapters switched off). With LoRA, setting it holds that model as a separate frozen copy.")
     sft_weight: float = _f(0.0, "Adds this times the chosen completions' mean token NLL to the loss (TRL's loss_type ['sigmoid', 'sft'] with loss_weights [1, sft_weight], the RPO objective's alpha; the mean is over the chosen tokens of the whole step, where TRL averages per micro-batch); 0 = off.")
@@ -173,7 +173,7 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # metrics.trackers' na
 class MetricsConfig:
     log_interval: int = _f(10, "Log every N steps (and always the first and last step).")
     tensorboard: bool = _f(False, "Also write TensorBoard events under <output_dir>/tb (needs the tensorboard package); the same as listing 'tensorboard' in metrics.trackers.")
-    trackers: list[str] = _f([], "Experiment trackers that receive every logged row (rank 0): any of 'tensorboard', 'wandb', 'mlflow', 'trackio' (each needs its package: pip install 'titanite[<name>]'). Local and offline unless the environment names a server: W&B offline under <output_dir>/wandb unless WANDB_MODE is set, MLflow to <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set, trackio to <output_dir>/trackio unless TRACKIO_DIR is set. A resumed run continues the same tracker run (<output_dir>/trackers.json).")
+    trackers: list[str] = _f([], "Experiment trackers that receive every logged row (rank 0): 'tensorboard', 'wandb', 'mlflow', 'trackio'. Details: docs/config.md.")
     project: str = _f("titanite", "Tracker project: the W&B project, MLflow experiment and trackio project.")
     run_name: str = _f("", "Tracker run name; empty = the output folder's name.")
     peak_tflops: float = _f(0.0, "Device peak for MFU in TFLOP/s; 0 = known GPU table, or a GEMM measured at start-up.")
@@ -186,7 +186,7 @@ class ParallelismConfig:
     dp_replicate: int = _f(1, "Replicated data-parallel degree (HSDP outer dimension).")
     dp_shard: int = _f(-1, "Sharded data-parallel degree (FSDP2); -1 = the rest of the world size.")
     tp: int = _f(1, "Tensor-parallel degree.")
-    cp: int = _f(1, "Context-parallel degree: every sequence is split over cp ranks (each holds the chunks i and 2cp-1-i of 2cp equal chunks, so causal attention costs every rank the same) and attention all-gathers the keys and values over them. data.seq_len must be a multiple of 2 x cp (x tp with tensor parallelism). FSDP shards over dp_shard x cp; each cp group reads one data-parallel slice of the batch.")
+    cp: int = _f(1, 'Context-parallel degree: each sequence is split over this many ranks (1 = off). Details: docs/config.md.')
     pp: int = _f(1, "Pipeline-parallel degree: the layers are split into stages over pp groups of ranks (the outermost mesh dimension, so a stage's ranks sit together and only activations cross between groups). The step's micro-batches (training.global_batch_size / (batch_size x data-parallel ranks)) flow through the pipeline.")
     pp_schedule: str = _f("1F1B", "Pipeline schedule (torch.distributed.pipelining): '1F1B', 'GPipe' (one stage per rank), 'Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV' (two stages per rank; ZBV and DualPipeV place them in a V).")
     pp_stages_per_rank: int = _f(0, "Pipeline stages per rank: 0 = the schedule's (1 for 1F1B and GPipe, 2 for the others); the looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) take more, ZBVZeroBubble and DualPipeV exactly 2.")
