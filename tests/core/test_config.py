@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from titanite.core.config import Config, load_config, to_toml
 from titanite.core.errors import UserError
 
@@ -83,3 +83,15 @@ def test_help_config_lists_every_key():
     assert "[training]" in proc.stdout and "global_batch_size" in proc.stdout and "RoPE" not in proc.stderr
     parsed_sections = {line.strip("[]") for line in proc.stdout.splitlines() if line.startswith("[")}
     assert parsed_sections == set(tomllib.loads(to_toml(Config())))
+
+
+def test_every_help_that_points_to_the_docs_has_its_section_there():
+    """A key whose short help says 'docs/config.md' is explained there under its own heading."""
+    import dataclasses
+
+    docs = (REPO / "docs" / "config.md").read_text()
+    pointing = [f"{section}.{f.name}" for section, value in vars(Config()).items() if dataclasses.is_dataclass(value)
+                for f in dataclasses.fields(value) if "docs/config.md" in f.metadata.get("help", "")]
+    assert len(pointing) >= 9
+    missing = [key for key in pointing if f"## `{key}`" not in docs]
+    assert not missing, f"no section in docs/config.md for {missing}"
