@@ -52,24 +52,16 @@ from torch.distributed.tensor import DTensor
 
 from titanite.checkpoint.training_state import STATE_FILE, latest_checkpoint, list_checkpoints, state_to_save
 from titanite.core.errors import UserError
-from titanite.core.files import file_digest, storage_error
+from titanite.core.files import file_digest, fsync_folder, storage_error
 from titanite.device.choice import synchronize
 from titanite.device.memory import has_pinned_memory
 from titanite.formats import dcp_safe, manifest
-from titanite.parallel.distributed import gather_texts
+from titanite.parallel.distributed import gather_texts, global_rank, global_world_size
 
 log = logging.getLogger("titanite")
 
 _WRITER = re.compile(r"__(\d+)_")  # DCP names each rank's shard files __<rank>_<n>.distcp
 _SINGLE_PROCESS = "torch.distributed is disabled"  # DCP's warning that one process is assumed: intended
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 # -- a save's parts (all of them in the step when async_mode is "off") ---------------------------
@@ -96,7 +88,7 @@ def begin_save(ckpt_root: Path, step: int) -> Path:
     goes on."""
     tmp = ckpt_root / f".tmp-step-{step}"
     error = None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             ckpt_root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -132,12 +124,12 @@ def finish_save(ckpt_root: Path, step: int, write: Callable[[], Metadata], recor
     try:
         metadata = write()
         files: list[str] = []
-        if _rank() == 0:
+        if global_rank() == 0:
             (tmp / STATE_FILE).write_text(record)
             (tmp / "config.toml").write_text(config_toml)
             files = [dcp_safe.METADATA_NAME, STATE_FILE, "config.toml"]
         shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-        files += [f for f in shards if _writer_of(f) == _rank()]
+        files += [f for f in shards if _writer_of(f) == global_rank()]
         digests = {f: file_digest(tmp / f) for f in files}
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         error = e
@@ -146,9 +138,9 @@ def finish_save(ckpt_root: Path, step: int, write: Callable[[], Metadata], recor
     failures = [r["failure"] for r in reports if r["failure"]]
     if not failures:
         try:
-            if _rank() == 0:
+            if global_rank() == 0:
                 manifest.write(tmp, {f: d for r in reports for f, d in r["digests"].items()}, step)
-                _fsync_dir(tmp)
+                fsync_folder(tmp)
                 _swap_in(tmp, ckpt_root / f"step-{step}")
                 _prune(ckpt_root, keep_latest)
         except Exception as e:  # noqa: BLE001 -- shared with every rank below, then raised
@@ -168,13 +160,13 @@ def _describe(error: BaseException | None, ckpt_root: Path, step: int) -> str:
     if fault is not None:
         return str(storage_error(fault, f"saving checkpoint step-{step} to {ckpt_root}"))
     first = f"{type(error).__name__}: {error}".splitlines()[0]
-    return f"{first} on rank {_rank()} while saving checkpoint step-{step} to {ckpt_root}"
+    return f"{first} on rank {global_rank()} while saving checkpoint step-{step} to {ckpt_root}"
 
 
 def _give_up(ckpt_root: Path, step: int, failure: str, error: BaseException | None) -> NoReturn:
     """Remove the partial save (rank 0) and raise: this rank's own exception when it was not a
     storage fault (a bug keeps its traceback), else UserError(failure), naming what is kept."""
-    if _rank() == 0:
+    if global_rank() == 0:
         shutil.rmtree(ckpt_root / f".tmp-step-{step}", ignore_errors=True)
     if error is not None and _storage_fault(error) is None:
         raise error
@@ -186,7 +178,7 @@ def _give_up(ckpt_root: Path, step: int, failure: str, error: BaseException | No
 def _writer_of(relative_path: str) -> int:
     """The rank that wrote a DCP shard file (rank 0 for names without the rank prefix)."""
     m = _WRITER.match(relative_path)
-    return int(m.group(1)) if m and int(m.group(1)) < _world_size() else 0
+    return int(m.group(1)) if m and int(m.group(1)) < global_world_size() else 0
 
 
 def _storage_fault(e: BaseException) -> OSError | None:
@@ -208,7 +200,7 @@ def _swap_in(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final, aside)
     os.rename(tmp, final)
-    _fsync_dir(final.parent, files=False)
+    fsync_folder(final.parent, files=False)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -223,18 +215,6 @@ def _prune(ckpt_root: Path, keep_latest: int) -> None:
         doomed = d.parent / f".del-{d.name}"
         os.rename(d, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _fsync_dir(path: Path, files: bool = True) -> None:
-    for f in path.iterdir() if files and path.is_dir() else ():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- in the background -----------------------------------------------------------------------
@@ -295,7 +275,7 @@ class Saver:
         self._group: dist.ProcessGroup | None = None
         if mode != "off":
             self._stager = HostStager(device, pinned=mode == "async_pinned")
-            if _rank() == 0:
+            if global_rank() == 0:
                 log.info("checkpoints: staged in %s host memory, then written in the background",
                          "pinned" if self._stager.pinned else "pageable")
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanite-checkpoint")
@@ -313,7 +293,7 @@ class Saver:
         start = time.perf_counter()
         if self.mode == "off":
             path = save(ckpt_root, step, model, optimizer, trainer_state, config_toml, keep_latest)
-            if _rank() == 0:
+            if global_rank() == 0:
                 log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - start)
             return
         assert self._stager is not None and self._thread is not None, "save after close"
@@ -327,7 +307,7 @@ class Saver:
     def _finish(self, ckpt_root: Path, step: int, written: Future, record: str, config_toml: str,
                 keep_latest: int, start: float, blocked: float) -> Path:
         path = finish_save(ckpt_root, step, written.result, record, config_toml, keep_latest, self._group)
-        if _rank() == 0:
+        if global_rank() == 0:
             log.info("saved checkpoint %s (the step waited %.2f s; written in the background, done %.2f s after "
                      "the save began)", path, blocked, time.perf_counter() - start)
         return path

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanite.core.errors import UserError
 from titanite.device.choice import rng_state, set_rng_state
 from titanite.formats import dcp_safe, manifest
-from titanite.parallel.distributed import gather_texts
+from titanite.parallel.distributed import gather_texts, global_rank, global_world_size
 
 log = logging.getLogger("titanite")
 
@@ -60,14 +60,6 @@ _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 class CheckpointUnusable(UserError):
     """A checkpoint folder that cannot be resumed from: incomplete, corrupt, unsafe, or of
     another model. The message names the folder and the first problem."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -114,7 +106,7 @@ def state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
 def remove_stale_temporaries(ckpt_root: Path) -> None:
     """Drop half-written saves left by a crash (never touches complete checkpoints). A complete
     checkpoint that a re-save had moved aside is put back when its replacement never arrived."""
-    if _rank() == 0 and ckpt_root.is_dir():
+    if global_rank() == 0 and ckpt_root.is_dir():
         for d in ckpt_root.glob(".old-step-*"):
             final = ckpt_root / d.name.removeprefix(".old-")
             if not final.exists() and _is_complete(d):
@@ -147,7 +139,7 @@ def verify(path: Path) -> list[str]:
     except UserError as e:
         problems, files = [str(e)], {}
     names = sorted(files)
-    mine = names[_rank()::_world_size()]
+    mine = names[global_rank()::global_world_size()]
     problems += [p for text in gather_texts(json.dumps(manifest.check_hashes(path, files, mine)))
                  for p in json.loads(text)]
     if problems:

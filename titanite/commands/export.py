@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from titanite.commands.base import setup_logging
-from titanite.core.config import DEFAULT_SHARD_MB
 from titanite.checkpoint import training_state
-from titanite.core.config import Config, load_config
+from titanite.commands.base import setup_logging
+from titanite.core.config import DEFAULT_SHARD_MB, Config, load_config
 from titanite.core.errors import UserError
 from titanite.data.tokenizer import load_tokenizer
 from titanite.formats import dcp_safe

@@ -14,7 +14,6 @@ with the template and its generation prompt, and stop at the end-of-turn token.
 from __future__ import annotations
 
 import argparse
-
 import json
 import logging
 import tempfile
@@ -26,10 +25,10 @@ import tokenizers
 import torch
 
 from titanite.commands.base import setup_logging
-from titanite.device.choice import default_compute_dtype, pick_device
 from titanite.core.config import DEFAULT_SHARD_MB
 from titanite.core.errors import UserError
 from titanite.data.chat_template import ChatTemplate, find_chat_template
+from titanite.device.choice import default_compute_dtype, pick_device
 from titanite.models.qwen3.kv_cache import KVCache
 from titanite.models.qwen3.model import Qwen3
 from titanite.models.spec import GENERATION_SPEC

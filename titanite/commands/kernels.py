@@ -9,19 +9,17 @@ runs through a model's call sites (`models/call_sites.py`, which builds the mode
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import titanite.kernels.registry as registry
+from titanite.commands.base import setup_logging
 from titanite.core.errors import UserError
 from titanite.device.choice import default_compute_dtype, pick_device
 from titanite.kernels.plugins import load_plugins
-from titanite.commands.base import setup_logging
 from titanite.models.call_sites import verify_call_sites
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -9,9 +9,8 @@ so two backends trained on the same config can be told apart at a glance.
 from __future__ import annotations
 
 import argparse
-import logging
-
 import json
+import logging
 import math
 import tomllib
 from collections.abc import Sequence

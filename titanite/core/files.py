@@ -105,6 +105,18 @@ def storage_error(e: OSError, doing: str) -> UserError:
     return UserError(f"{cause}{where} while {doing}")
 
 
+def fsync_folder(folder: Path, files: bool = True) -> None:
+    """Flush `folder`'s files (unless files=False), then its entry list, to disk: a folder
+    renamed into place, or a rename inside it, must survive a power loss complete."""
+    contents = [f for f in folder.iterdir() if f.is_file()] if files else []
+    for path in [*contents, folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def file_digest(path: Path) -> dict[str, Any]:
     """{"size": bytes, "sha256": hex} of one file, read in 8 MiB chunks."""
     h = hashlib.sha256()

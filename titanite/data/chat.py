@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,8 @@ from titanite.data.sources import (
     dataset_column,
     json_lines,
     load_saved_dataset,
-    parquet_column,
     path_files,
+    read_parquet,
 )
 from titanite.data.tokenizer import Tokenizer
 from titanite.kernels.reference_ops import IGNORE_INDEX  # the labels the loss skips
@@ -202,13 +202,22 @@ def _rows(cfg: DataConfig, stats: ChatStats) -> Iterator[tuple[str, Any]]:
         stats.files += 1
         yield from _dataset_rows(path, cfg)
         return
+    yield from file_rows(path, cfg, stats, "chat", lambda f: _parquet_rows(f, cfg.messages_field))
+
+
+def file_rows(path: Path, cfg: DataConfig, stats: ChatStats, fmt: str,
+              parquet_rows: Callable[[Path], Iterator[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of the .jsonl/.json/.parquet files of data.path (a file or a
+    folder; data.format = `fmt`), in order; `where` is 'file:line' or 'file row N'. A parquet
+    file's rows come from `parquet_rows`. A JSON line that does not parse comes as a MalformedRow
+    instance, so the policy decides. Counts the files read in stats.files."""
     for f in path_files(path, cfg, CHAT_GLOBS):
         kind = _SUFFIXES.get(f.suffix.lower())
         if kind is None:
-            raise UserError(f"{f}: data.format = 'chat' reads .jsonl or .parquet files, not '{f.suffix}'")
+            raise UserError(f"{f}: data.format = '{fmt}' reads .jsonl or .parquet files, not '{f.suffix}'")
         if kind == "parquet":
             stats.files += 1
-            yield from _parquet_rows(f, cfg.messages_field)
+            yield from parquet_rows(f)
             continue
         text = _decode(f, cfg.on_decode_error)
         if text is None:
@@ -221,7 +230,7 @@ def _rows(cfg: DataConfig, stats: ChatStats) -> Iterator[tuple[str, Any]]:
 
 
 def _parquet_rows(f: Path, field: str) -> Iterator[tuple[str, Any]]:
-    for where, value in parquet_column(f, field, "data.messages_field"):
+    for where, value in read_parquet(f, field, "data.messages_field"):
         yield where, {field: value}
 
 

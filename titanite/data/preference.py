@@ -31,15 +31,13 @@ import numpy as np
 
 from titanite.core.config import DataConfig
 from titanite.core.errors import UserError
-from titanite.data.chat import CHAT_GLOBS, MalformedRow, check_messages
+from titanite.data.chat import ChatStats, MalformedRow, check_messages, file_rows
 from titanite.data.chat_template import ChatTemplate
-from titanite.data.sources import _decode, _is_saved_dataset, json_lines, load_saved_dataset, path_files
+from titanite.data.sources import _is_saved_dataset, load_saved_dataset, read_parquet
 from titanite.data.tokenizer import Tokenizer
 from titanite.kernels.reference_ops import IGNORE_INDEX
 
 FIELDS = ("prompt", "chosen", "rejected")
-_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-_ROW_BATCH = 1024
 
 Pair = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -138,9 +136,10 @@ def tokenize_preference_row(tokenizer: Tokenizer, template: ChatTemplate | None,
     return pair[0], pair[1]
 
 
-def preference_rows(cfg: DataConfig, stats: Any = None) -> Iterator[tuple[str, Any]]:
+def preference_rows(cfg: DataConfig, stats: ChatStats | None = None) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row of data.path; a JSON line that does not parse comes as a
     MalformedRow, so data.on_malformed decides. Counts files read in `stats.files`."""
+    stats = stats if stats is not None else ChatStats()
     if not cfg.path:
         raise UserError("no data: set data.path to a .jsonl/.parquet file, a folder of them, or a datasets folder "
                         "of preference rows (prompt, chosen, rejected)")
@@ -149,39 +148,9 @@ def preference_rows(cfg: DataConfig, stats: Any = None) -> Iterator[tuple[str, A
         raise UserError(f"data.path: {path} does not exist")
     if path.is_dir() and _is_saved_dataset(path):
         ds = load_saved_dataset(path, cfg.split)
-        if stats is not None:
-            stats.files += 1
+        stats.files += 1
         for i, row in enumerate(ds):
             yield f"{path} row {i}", row
         return
-    for f in path_files(path, cfg, CHAT_GLOBS):
-        kind = _SUFFIXES.get(f.suffix.lower())
-        if kind is None:
-            raise UserError(f"{f}: data.format = 'preference' reads .jsonl or .parquet files, not '{f.suffix}'")
-        if stats is not None:
-            stats.files += 1
-        if kind == "parquet":
-            yield from _parquet_rows(f)
-            continue
-        text = _decode(f, cfg.on_decode_error)
-        if text is None:
-            continue
-        for where, row in json_lines(f, text):
-            if not isinstance(row, dict) and isinstance(row, ValueError):
-                row = MalformedRow(f"not valid JSON ({row.msg} at column {row.colno})")
-            yield where, row
-
-
-def _parquet_rows(f: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(f)
-    except (pa.ArrowException, OSError) as e:
-        raise UserError(f"{f}: cannot read as parquet: {e}") from e
-    row = 0
-    for batch in pf.iter_batches(batch_size=_ROW_BATCH):
-        for value in batch.to_pylist():
-            yield f"{f} row {row}", value
-            row += 1
+    # Whole rows from parquet: the three fields, in either form.
+    yield from file_rows(path, cfg, stats, "preference", read_parquet)

@@ -186,8 +186,9 @@ def _jsonl_rows(f: Path, text: str, field: str) -> Iterator[str | None]:
         yield _check_text(row[field], where, field)
 
 
-def parquet_column(f: Path, field: str, key: str) -> Iterator[tuple[str, Any]]:
-    """('file row N', value) of column `field` (named by config key `key` in errors), in batches."""
+def read_parquet(f: Path, field: str | None = None, key: str = "") -> Iterator[tuple[str, Any]]:
+    """('file row N', value) per row, in batches: the value of column `field` (named by config key
+    `key` in errors), or with field None the whole row as a dict."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -196,17 +197,17 @@ def parquet_column(f: Path, field: str, key: str) -> Iterator[tuple[str, Any]]:
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{f}: cannot read as parquet: {e}") from e
     columns = pf.schema_arrow.names
-    if field not in columns:
+    if field is not None and field not in columns:
         raise UserError(f"{f}: no column {field!r} ({key}); columns: {columns}")
     row = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=_ROW_BATCH):
-        for value in batch.column(0).to_pylist():
+    for batch in pf.iter_batches(columns=None if field is None else [field], batch_size=_ROW_BATCH):
+        for value in batch.to_pylist() if field is None else batch.column(0).to_pylist():
             yield f"{f} row {row}", value
             row += 1
 
 
 def _parquet_rows(f: Path, field: str) -> Iterator[str | None]:
-    for where, value in parquet_column(f, field, "data.text_field"):
+    for where, value in read_parquet(f, field, "data.text_field"):
         yield _check_text(value, where, field)
 
 

@@ -60,7 +60,6 @@ class Evaluator:
     def __init__(self, cfg: Config, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: int = 1) -> None:
         e = cfg.eval
         assert e.path, "Evaluator needs eval.path"
-        self.interval, self.total_steps = e.interval, cfg.training.steps
         data = eval_data_config(cfg)  # read as the training data is, with its packing
         packed = pack(data, tokenizer, packing_mode(cfg.data))
         self.windows: StreamWindows | SampleWindows | PairWindows = packed.windows
@@ -75,10 +74,6 @@ class Evaluator:
             self.num_batches = min(self.num_batches, e.max_batches)
         log.info("eval: %s -> %d sequences of %d tokens, %d batches of %d per rank",
                  e.path, len(self.windows), data.seq_len, self.num_batches, self.batch_size)
-
-    def due(self, step: int) -> bool:
-        """Whether to evaluate after optimizer step `step` (see eval_due)."""
-        return eval_due(step, self.interval, self.total_steps)
 
     def batches(self) -> list[dict[str, torch.Tensor]]:
         """This rank's eval batches (CPU int64 [B, S] tensors), the same list every time."""

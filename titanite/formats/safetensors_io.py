@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from titanite.core.config import DEFAULT_SHARD_MB
 from titanite.core.errors import UserError, did_you_mean
-from titanite.core.files import inside_folder
+from titanite.core.files import fsync_folder, inside_folder
 from titanite.formats.safetensors_stream import _DTYPES, _StreamedShard
 
 CONFIG_NAME = "config.json"
@@ -259,7 +259,7 @@ def write_folder(out: str | Path, fill) -> Path:
     tmp.mkdir()
     try:
         fill(tmp)
-        _fsync(*tmp.iterdir(), tmp)
+        fsync_folder(tmp)
         _swap_in(tmp, out)
     finally:
         if tmp.exists():  # a failure before the swap: drop the half-written folder
@@ -309,16 +309,6 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _fsync(*paths: Path) -> None:
-    """Flush files, or a folder's entry list, to disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename the finished `tmp` to `out`, replacing any old `out` only after it is aside."""
     aside = out.parent / f".old-{out.name}-{os.getpid()}"
@@ -333,7 +323,7 @@ def _swap_in(tmp: Path, out: Path) -> None:
         if had_old:  # put the previous folder back so `out` is never lost
             os.rename(aside, out)
         raise
-    _fsync(out.parent)
+    fsync_folder(out.parent, files=False)
     if had_old:
         shutil.rmtree(aside)
 

@@ -141,6 +141,16 @@ def exit_process(code: int) -> NoReturn:
     sys.exit(code)
 
 
+def global_rank() -> int:
+    """This process's rank in the default group; 0 when there is none (one process)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def global_world_size() -> int:
+    """The number of processes in the default group; 1 when there is none."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def gather_texts(text: str, group: dist.ProcessGroup | None = None) -> list[str]:
     """Every rank's `text`, in rank order, on every rank of `group` (default: the default group;
     one rank: [text]). Sent as bytes in CPU tensors: nothing is pickled."""

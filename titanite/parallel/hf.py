@@ -23,14 +23,8 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titanite.core.config import Config
 from titanite.models.handle import ModelHandle
@@ -39,6 +33,15 @@ from titanite.parallel.checkpointing import apply_activation_checkpointing, appl
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp
 from titanite.parallel.lora_tp import adapt_plan, keep_frozen
+from titanite.parallel.tensor_parallel import ReplicateParallel, block_plan
+
+# transformers' Qwen3 decoder layer's modules by role (see tensor_parallel.block_plan).
+HF_NAMES = {
+    "attention_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+    "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm", "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
 
 
 def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
@@ -69,45 +72,6 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
         shard_model(root, groups, world, cfg.training.mixed_precision, expert_params)
 
 
-class ReplicateParallel(ParallelStyle):
-    """Parameters replicated on the mesh; plain full inputs in, plain full outputs out."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(_name, mod, mesh):
-            for name, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
-                                                          requires_grad=p.requires_grad))
-
-        def inputs(mod, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                         if hasattr(a, "shape") and not isinstance(a, DTensor) else a for a in args)
-
-        def outputs(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
-
-        return distribute_module(module, device_mesh, partition, inputs, outputs)
-
-
-def _layer_plan(sparse: bool) -> dict:
-    """One decoder layer's plan. A sparse (MoE) layer's block is left whole: it runs on every
-    tensor-parallel rank on the same tokens (the residual stream is whole here), its experts
-    sharded by expert parallelism when ep > 1."""
-    plan = {
-        "input_layernorm": ReplicateParallel(),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),  # [B, S, Hq/tp, D]
-        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "self_attn.o_proj": RowwiseParallel(),
-        "post_attention_layernorm": ReplicateParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
-    return {k: v for k, v in plan.items() if not (sparse and k.startswith("mlp."))}
-
-
 def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bool) -> None:
     """Shard a materialised transformers Qwen3ForCausalLM (dense) in place over `tp_mesh`.
     The logits come out as a DTensor sharded over the vocabulary (for `loss_parallel`)."""
@@ -119,7 +83,11 @@ def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bo
     present_top = {k: v for k, v in top.items() if module_at(causal_lm, k) is not None}  # a pipeline stage's own modules
     parallelize_module(causal_lm, tp_mesh, present_top)
     for _, layer in present(causal_lm.model.layers):
-        parallelize_module(layer, tp_mesh, adapt_plan(_layer_plan(sparse=hasattr(layer.mlp, "experts")), layer))
+        # A sparse (MoE) layer's block is left whole: it runs on every tensor-parallel rank on the
+        # same tokens (the residual stream is whole here), its experts sharded by expert
+        # parallelism when ep > 1.
+        plan = block_plan(HF_NAMES, sequence_parallel=False, sparse=hasattr(layer.mlp, "experts"))
+        parallelize_module(layer, tp_mesh, adapt_plan(plan, layer))
     if tied:
         # Each style registered its own Parameter; the head must use the embedding's (both are
         # vocabulary-sharded [V, H], so one DTensor serves both).

@@ -1,5 +1,6 @@
 """Tensor-parallel plans (DTensor) for the native Qwen3, with sequence parallel norms and a
-vocabulary-parallel head.
+vocabulary-parallel head. A decoder block's plan (`block_plan`) is shared with the transformers
+backend (hf.py), which names the same roles differently and keeps the residual stream whole.
 
 Inside a block: q/k/v and gate/up projections are column-parallel (each rank holds whole heads
 and a slice of the MLP), o and down projections row-parallel. Between blocks the residual
@@ -23,11 +24,24 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from titanite.models.stage import present
 from titanite.parallel.lora_tp import adapt_plan
+
+# A decoder block's modules by role: the native model's names (the transformers backend's are in hf.py).
+NATIVE_NAMES = {
+    "attention_norm": "attention_norm", "q": "attention.wq", "k": "attention.wk", "v": "attention.wv",
+    "q_norm": "attention.q_norm", "k_norm": "attention.k_norm", "o": "attention.wo",
+    "mlp_norm": "ffn_norm", "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2",
+}
 
 
 def _gather_sequence(mesh: DeviceMesh):
@@ -55,21 +69,50 @@ def _keep_sequence_slice(mesh: DeviceMesh):
     return hook
 
 
-def _block_plan(sparse: bool) -> dict:
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated on the mesh; plain full inputs in, plain full outputs out. The norms'
+    style where the residual stream is whole (no sequence parallelism), so that every parameter
+    still lives on the mesh."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name, mod, mesh):
+            for name, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
+                                                          requires_grad=p.requires_grad))
+
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if hasattr(a, "shape") and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def block_plan(names: dict[str, str], sequence_parallel: bool, sparse: bool) -> dict[str, ParallelStyle]:
+    """One decoder block's plan, keyed by the module names `names` gives each role.
+
+    sequence_parallel: the residual stream between blocks is sharded over the sequence, so the
+    norms run on S/tp tokens and the row-parallel outputs are reduce-scattered back to that
+    shard; without it the stream is whole and the norms' weights are merely replicated.
+    sparse: an MoE block's MLP gets no entries: it runs unsplit on every tensor-parallel rank."""
+    norm = SequenceParallel if sequence_parallel else ReplicateParallel
+    row_out = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan = {
-        "attention_norm": SequenceParallel(),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),  # [B, S, Hq/tp, D]
-        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        names["attention_norm"]: norm(),
+        names["q"]: ColwiseParallel(),
+        names["k"]: ColwiseParallel(),
+        names["v"]: ColwiseParallel(),
+        names["q_norm"]: SequenceParallel(sequence_dim=2, use_local_output=True),  # [B, S, Hq/tp, D]
+        names["k_norm"]: SequenceParallel(sequence_dim=2, use_local_output=True),
+        names["o"]: RowwiseParallel(**row_out),
+        names["mlp_norm"]: norm(),
     }
-    return {k: v for k, v in plan.items() if not (sparse and k.startswith("feed_forward."))}
+    if not sparse:
+        plan.update({names["gate"]: ColwiseParallel(), names["up"]: ColwiseParallel(),
+                     names["down"]: RowwiseParallel(**row_out)})
+    return plan
 
 
 def _replicate_output(_module: nn.Module, _inputs, output):
@@ -94,7 +137,8 @@ def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.norm.register_forward_hook(_replicate_output)
     for _, block in present(model.layers):
         sparse = hasattr(block.feed_forward, "experts")
-        parallelize_module(block, tp_mesh, adapt_plan(_block_plan(sparse), block))
+        plan = block_plan(NATIVE_NAMES, sequence_parallel=True, sparse=sparse)
+        parallelize_module(block, tp_mesh, adapt_plan(plan, block))
         block.attention.register_forward_pre_hook(_gather_sequence(tp_mesh))
         block.feed_forward.register_forward_pre_hook(_gather_sequence(tp_mesh))
         if sparse:

@@ -23,9 +23,8 @@ import torch
 from titanite.kernels.routing import RoutingRecord
 from titanite.models.moe_balance import StepBalance, global_balance
 from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
-from titanite.parallel import distributed
 from titanite.models.stage import Part
-from titanite.parallel import context
+from titanite.parallel import context, distributed
 from titanite.run.lm_step import StepOutput, device_batches
 from titanite.run.step_context import StepContext, cross_entropy_sum
 

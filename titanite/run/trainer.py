@@ -37,12 +37,12 @@ from titanite.parallel.grad_norm import clip_grad_norm_
 from titanite.parallel.pipeline_runner import Pipeline
 from titanite.parallel.plans import parallelize
 from titanite.run import exports, lm_step, lm_step_pipelined
-from titanite.run.step_context import StepContext
 from titanite.run.metrics import MetricsLogger, Mfu, StepResult
 from titanite.run.optim import build_optimizer, lr_at, set_lr
 from titanite.run.preference.objective import build_objective
 from titanite.run.preflight import Prepared, preflight
 from titanite.run.runlock import RunLock
+from titanite.run.step_context import StepContext
 
 log = logging.getLogger("titanite")
 _NEVER = 2**62  # "no step" in min-over-ranks reductions of a first bad step

@@ -25,8 +25,6 @@ from titanite.evaluation.heldout import Evaluator
 from titanite.models.flops import flops_per_token
 from titanite.parallel import context, distributed
 from titanite.run.lm_step import StepOutput
-from titanite.run.preflight import Prepared
-from titanite.run.step_context import StepContext
 from titanite.run.preference.losses import PairScores, pair_loss
 from titanite.run.preference.reference import (
     Reference,
@@ -36,6 +34,8 @@ from titanite.run.preference.reference import (
     uses_reference,
     weights_identity,
 )
+from titanite.run.preflight import Prepared
+from titanite.run.step_context import StepContext
 
 log = logging.getLogger("titanite")
 
