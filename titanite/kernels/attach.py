@@ -39,6 +39,9 @@ DEFAULTS: dict[str, tuple[str, ...]] = {
     "moe.dispatch": ("gather", registry.REFERENCE),
     "moe.experts": ("grouped_mm", registry.REFERENCE),
     "loss": ("chunked", registry.REFERENCE),
+    "gated_delta": (registry.REFERENCE,),
+    "short_conv": (registry.REFERENCE,),
+    "rms_norm_gated": (registry.REFERENCE,),
 }
 assert set(DEFAULTS) == set(registry.OPS)
 

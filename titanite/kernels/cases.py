@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from titanite.kernels.reference_ops import IGNORE_INDEX
@@ -130,7 +131,31 @@ def verify_cases(op: str, dtype: torch.dtype, device: torch.device) -> list[Case
         return [Case("one token", (r(1, 48), r(384, 48, scale=0.2), _labels(1, 384, device, g)), (0, 1)),
                 Case("N=37 V=1000, 9 ignored", (r(37, 48), r(1000, 48, scale=0.2), _labels(37, 1000, device, g, 9)), (0, 1)),
                 Case("all ignored", (r(5, 48), r(384, 48, scale=0.2), _labels(5, 384, device, g, 5)), (0, 1))]
+    if op in ("gated_delta", "short_conv", "rms_norm_gated"):
+        return _delta_cases(op, r, g, dtype, device)
     raise AssertionError(f"no verify cases for op {op}")
+
+
+def _delta_cases(op: str, r, g: torch.Generator, dtype: torch.dtype, device) -> list[Case]:
+    """Gated DeltaNet ops: one token, S = 37 with value heads twice the key heads, packed documents."""
+    docs = _documents([10, 1, 26], 2, device)
+    if op == "gated_delta":
+        def inputs(B: int, S: int, Hk: int, Hv: int) -> tuple:
+            q, k = (F.normalize(torch.randn(B, S, Hk, 16, generator=g), dim=-1).to(device, dtype) for _ in range(2))
+            decay = (-torch.rand(B, S, Hv, generator=g)).to(device, torch.float32)
+            beta = torch.rand(B, S, Hv, generator=g).to(device, dtype)
+            return q, k, r(B, S, Hv, 12), decay, beta, 0.25
+        state = _rand((2, 4, 16, 12), torch.float32, device, 0.5, g)
+        return [Case("one token", inputs(1, 1, 2, 2), (0, 1, 2, 3, 4)),
+                Case("S=37 value heads 4:2, initial state", (*inputs(2, 37, 2, 4), state), (0, 1, 2, 3, 4, 6)),
+                Case("packed docs 10+1+26", (*inputs(2, 37, 2, 4), None, docs), (0, 1, 2, 3, 4))]
+    if op == "short_conv":
+        return [Case("one token", (r(1, 1, 40), r(40, 4, scale=0.5)), (0, 1)),
+                Case("S=37 C=100", (r(2, 37, 100), r(100, 4, scale=0.5)), (0, 1)),
+                Case("packed docs 10+1+26", (r(2, 37, 100), r(100, 4, scale=0.5), docs), (0, 1))]
+    return [Case(f"x {list(shape)}", (r(*shape), r(*shape), (1.0 + 0.1 * torch.randn(shape[-1], generator=g)).to(device, dtype),
+                                     1e-6), (0, 1, 2))
+            for shape in ((1, 48), (3, 37, 100))]
 
 
 def bench_case(op: str, dtype: torch.dtype, device: torch.device, big: bool) -> list[Case]:

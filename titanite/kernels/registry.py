@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+import titanite.kernels.reference_delta as reference_delta
 import titanite.kernels.reference_ops as reference_ops
 from titanite.core.errors import UserError, did_you_mean
 
@@ -38,6 +39,9 @@ OPS: dict[str, tuple[Callable, str]] = {
     "moe.dispatch": (reference_ops.moe_dispatch, "permute tokens to experts, run them, un-permute and weight"),
     "moe.experts": (reference_ops.moe_experts, "grouped SwiGLU MLP over expert-sorted tokens"),
     "loss": (reference_ops.linear_cross_entropy, "final linear + summed cross-entropy"),
+    "gated_delta": (reference_delta.gated_delta, "the gated delta rule (Gated DeltaNet), restarting at packed documents"),
+    "short_conv": (reference_delta.short_conv, "causal depthwise convolution + SiLU, restarting at packed documents"),
+    "rms_norm_gated": (reference_delta.rms_norm_gated, "RMSNorm(x) * silu(gate) over the last dim"),
 }
 
 
