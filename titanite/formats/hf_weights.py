@@ -8,7 +8,7 @@ safetensors headers before any data is read.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,13 +85,11 @@ def export_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any
               tokenizer_files: Iterable[Path] = ()) -> Path:
     """Write an HF folder: weights, config.json, generation_config.json and tokenizer files when
     a source folder has them. Atomic (see write_hf_folder)."""
+    source_folders = [Path(f) for f in source_folders if f]
     generation_config = None
     extra = [Path(p) for p in tokenizer_files]
     names = {p.name for p in extra}
     for folder in source_folders:
-        if not folder:
-            continue
-        folder = Path(folder)
         gen = folder / "generation_config.json"
         if generation_config is None and gen.is_file():
             generation_config = read_json(inside_folder(folder, gen.name, f"source folder {folder}"),
@@ -102,5 +100,27 @@ def export_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any
                 # Copied into the export: a link out of the folder is refused, not followed.
                 extra.append(inside_folder(folder, fname, f"source folder {folder}"))
                 names.add(fname)
+    layout_source = next((f for f in source_folders if _has_weights(f)), None)
+    if layout_source is not None:
+        with HFReader(layout_source) as reader:
+            multimodal = reader.layout.multimodal
+        if multimodal:
+            tensors = in_source_layout(tensors, layout_source)
     return write_hf_folder(out, tensors, config, max_shard_bytes=max_shard_mb * 10**6,
                            extra_files=extra, generation_config=generation_config)
+
+
+def _has_weights(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+
+def in_source_layout(tensors: Iterable[tuple[str, torch.Tensor]], source: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors under the keys of `source`'s (multimodal) layout, then every
+    tensor outside the text model as the source stores it (byte for byte), so the export loads
+    as the source's class."""
+    with HFReader(source) as reader:
+        layout = reader.layout
+        for key, tensor in tensors:
+            yield layout.to_disk(key), tensor
+        for key in reader.passthrough:
+            yield key, reader.read_passthrough(key)

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from titanite.core.config import DEFAULT_SHARD_MB
 from titanite.core.errors import UserError, did_you_mean
 from titanite.core.files import fsync_folder, inside_folder
+from titanite.formats.layout import layout_of
 from titanite.formats.safetensors_stream import _DTYPES, _StreamedShard
 
 CONFIG_NAME = "config.json"
@@ -129,6 +130,29 @@ class HFReader:
                     "*.safetensors file (pickle checkpoints such as pytorch_model.bin are "
                     "not loaded: convert them to safetensors)")
             self._add_files(files)
+        self.layout = layout_of(self._file)
+        # Multimodal: the text model's tensors under their text-model names; the rest aside.
+        self._disk: dict[str, str] = {}  # text-model key -> key on disk, where they differ
+        self.passthrough: list[str] = []  # keys on disk outside the text model, sorted
+        if self.layout.multimodal:
+            self._name_text_model()
+
+    def _name_text_model(self) -> None:
+        files, infos = self._file, self._info
+        self._file, self._info = {}, {}
+        for disk_key in sorted(files):
+            key = self.layout.from_disk(disk_key)
+            if key is None:
+                self.passthrough.append(disk_key)
+                continue
+            self._file[key], self._info[key] = files[disk_key], infos[disk_key]
+            if key != disk_key:
+                self._disk[key] = disk_key
+        self._passthrough_files = {k: files[k] for k in self.passthrough}
+
+    def read_passthrough(self, disk_key: str) -> torch.Tensor:
+        """A tensor outside the text model, as stored (dtype and bytes)."""
+        return self._open(self._passthrough_files[disk_key]).get_tensor(disk_key)
 
     def _add_files(self, files: list[Path]) -> None:
         for path in files:
@@ -200,15 +224,21 @@ class HFReader:
         safetensors' `get_slice` reads only those bytes of the file."""
         return self._read(key, tuple(slice(a, a + n) for a, n in zip(starts, sizes, strict=True))).to(dtype)
 
-    def _read(self, key: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        path = self.file_of(key)
+    def _open(self, path: Path):
         try:
             if path not in self._handles:
                 self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            handle = self._handles[path]
-            return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
         except SafetensorError as e:
-            raise UserError(f"cannot read tensor '{key}' from file {path}: {e}") from e
+            raise UserError(f"cannot open safetensors file {path}: {e}") from e
+        return self._handles[path]
+
+    def _read(self, key: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        path = self.file_of(key)
+        handle, disk_key = self._open(path), self._disk.get(key, key)
+        try:
+            return handle.get_tensor(disk_key) if index is None else handle.get_slice(disk_key)[index]
+        except SafetensorError as e:
+            raise UserError(f"cannot read tensor '{disk_key}' from file {path}: {e}") from e
 
     def close(self) -> None:
         """Release the open shard handles (and their memory maps)."""
