@@ -324,3 +324,32 @@ def test_own_templates_stay_in_transformers_sandbox(tmp_path, own_tokenizer_dir)
     (tmp_path / "t.jinja").write_text(source)
     with pytest.raises(UserError, match="unsafe"):
         find_chat_template(own_tokenizer_dir / "tokenizer.json", str(tmp_path / "t.jinja"))
+
+
+@pytest.mark.parametrize("row, what", [
+    ({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]},
+                   {"role": "assistant", "content": "a cat"}]}, "'messages' message 0 has 'image' content"),
+    ({"messages": conv("what is it?", "a cat"), "images": ["cat.png"]}, "a 'images' column"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "x.mp4"}]},
+                   {"role": "assistant", "content": "a film"}]}, "'video_url' content"),
+])
+@pytest.mark.parametrize("on_malformed", ["error", "skip"])
+def test_image_and_video_inputs_stop_the_run_saying_text_only(tmp_path, row, what, on_malformed):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conv("hi", "hello")}, row])
+    tok = load_tokenizer(str(qwen3_tokenizer_dir()))
+    with pytest.raises(UserError, match=r"chat\.jsonl:2: .*text only for now") as e:
+        list(chat_samples(chat_cfg(path, on_malformed=on_malformed), tok, ChatStats()))
+    assert what in str(e.value)
+
+
+def test_preference_rows_with_images_are_refused_too():
+    from titanite.data.chat import MediaInput
+    from titanite.data.preference import check_row
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}]}]
+    answer = [{"role": "assistant", "content": "a"}]
+    with pytest.raises(MediaInput, match="'prompt' message 0 has 'image' content"):
+        check_row({"prompt": messages, "chosen": answer, "rejected": answer})
+    with pytest.raises(MediaInput, match="'images' column"):
+        check_row({"prompt": "which?", "chosen": "a", "rejected": "b", "images": ["x.png"]})
+    assert check_row({"prompt": "which?", "chosen": "a", "rejected": "b", "images": []})["chosen"] == "a"

@@ -49,6 +49,30 @@ class MalformedRow(ValueError):
     """This row cannot become a training sample; the message says why."""
 
 
+class MediaInput(MalformedRow):
+    """The row holds image or video inputs. titanite trains on text only for now, so this stops the
+    run whatever data.on_malformed says: skipping would silently train on text cut from its images."""
+
+
+MEDIA_COLUMNS = ("image", "images", "video", "videos")
+MEDIA_PARTS = frozenset({"image", "image_url", "input_image", "video", "video_url", "input_video"})
+
+
+def refuse_media(row: dict[str, Any]) -> None:
+    """Raise MediaInput for an image or video column (TRL's vision datasets) or an image or video
+    part in any message's content list."""
+    for column in MEDIA_COLUMNS:
+        if row.get(column) is not None and row.get(column) != []:
+            raise MediaInput(f"the row has a {column!r} column")
+    for field, value in row.items():
+        for i, message in enumerate(value if isinstance(value, list) else []):
+            content = message.get("content") if isinstance(message, dict) else None
+            parts = content if isinstance(content, list) else []
+            kinds = {part.get("type") for part in parts if isinstance(part, dict)}
+            if kinds & MEDIA_PARTS:
+                raise MediaInput(f"{field!r} message {i} has {sorted(kinds & MEDIA_PARTS)[0]!r} content")
+
+
 @dataclass
 class ChatStats:
     """What the chat source read and skipped; filled in while iterating."""
@@ -112,6 +136,7 @@ def check_messages(row: Any, field: str, template: ChatTemplate) -> list[dict[st
         raise MalformedRow(f"expected an object with {field!r}, got {type(row).__name__}")
     if field not in row:
         raise MalformedRow(f"no field {field!r} (data.messages_field); the row has {sorted(row)}")
+    refuse_media(row)
     messages = row[field]
     if not isinstance(messages, list) or not messages:
         raise MalformedRow(f"{field!r} must be a non-empty list of messages, got {_short(messages)}")
@@ -174,6 +199,9 @@ def apply_policy(cfg: DataConfig, result: Any, stats: ChatStats) -> tuple[np.nda
     first, second = result
     if not isinstance(second, MalformedRow):
         return first, second
+    if isinstance(second, MediaInput):
+        raise UserError(f"{first}: {second}: titanite trains on text only for now; remove the image and video "
+                        "inputs from the data (a multimodal checkpoint's vision tower is carried through untouched)")
     if cfg.on_malformed == "error":
         raise UserError(f"{first}: {second} (set data.on_malformed = 'skip' to leave such rows out)")
     stats.malformed_skipped += 1

@@ -31,7 +31,7 @@ import numpy as np
 
 from titanite.core.config import DataConfig
 from titanite.core.errors import UserError
-from titanite.data.chat import ChatStats, MalformedRow, check_messages, file_rows
+from titanite.data.chat import ChatStats, MalformedRow, check_messages, file_rows, refuse_media
 from titanite.data.chat_template import ChatTemplate
 from titanite.data.sources import _is_saved_dataset, load_saved_dataset, read_parquet
 from titanite.data.tokenizer import Tokenizer
@@ -50,6 +50,7 @@ def check_row(row: Any) -> dict[str, Any]:
     """The row's three fields, checked for presence and form. Raises MalformedRow."""
     if not isinstance(row, dict):
         raise MalformedRow(f"expected an object with {', '.join(FIELDS)}, got {type(row).__name__}")
+    refuse_media(row)
     missing = [f for f in FIELDS if row.get(f) is None]
     if missing:
         raise MalformedRow(f"no field {' or '.join(map(repr, missing))}; a preference row holds prompt, chosen and "
