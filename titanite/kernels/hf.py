@@ -57,6 +57,7 @@ from torch import nn
 from titanite.kernels import context_parallel
 from titanite.kernels.attach import Kernel
 from titanite.kernels.head_loss import head_loss
+from titanite.kernels.hf_delta import DOCUMENTS_KWARG, install_delta
 from titanite.kernels.reference_ops import block_causal_mask
 from titanite.kernels.routing import RoutingRecord, expert_counts
 
@@ -66,7 +67,6 @@ _mask_cache: list = [None, None]  # (the last mask seen, its document ids or _OT
 _OTHER = object()  # a mask the attention op cannot express
 _guarded: weakref.WeakSet = weakref.WeakSet()  # models whose padding masks are refused
 _LABELS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titanite_hf_labels", default=None)
-DOCUMENTS_KWARG = "titanite_document_ids"  # how titanite's forward hands the attention its document ids
 
 
 # -- transformers' interfaces: attention and experts ---------------------------------------
@@ -264,8 +264,9 @@ def _module_classes() -> dict[str, tuple[type, ...]]:
 
 
 def install(hf: nn.Module) -> dict[str, int]:
-    """Give a transformers Qwen3 / Qwen3-MoE causal LM titanite's kernel call sites (bound later
-    by `kernels.attach`, like the native model's). Returns the number of modules per kind."""
+    """Give a transformers Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3-Next causal LM titanite's kernel call
+    sites (bound later by `kernels.attach`, like the native model's; the Gated DeltaNet layers'
+    in hf_delta.py). Returns the number of modules per kind."""
     _register_interfaces()
     classes = _module_classes()
     found = dict.fromkeys(("norm", "attention", "mlp", "router", "experts", "head"), 0)
@@ -288,11 +289,12 @@ def install(hf: nn.Module) -> dict[str, int]:
             module.experts_kernel = Kernel("moe.experts")
             module.run_experts = types.MethodType(run_local_experts, module)
             found["experts"] += 1
+    found["gated_delta"] = install_delta(hf)
     head = hf.get_output_embeddings()
     if isinstance(head, nn.Linear) and head.bias is None:
         _replace_forward(head, _head_forward, loss="loss")
         found["head"] = 1
-    if found["attention"]:
+    if found["attention"] or found["gated_delta"]:  # a hybrid model's attention uses the interface as it is
         hf.set_attn_implementation(NAME)
         if hf not in _guarded:
             hf.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
