@@ -8,8 +8,8 @@ import ast
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import REPO
 from tests.architecture.test_layers import PACKAGE, _imported
+from tests.conftest import REPO
 
 DEVICE_LAYER = PACKAGE / "device"
 # Device-type names no code outside the device layer may compare against ("tdev": the test device).

@@ -13,8 +13,8 @@ import transformers
 from transformers.generation.logits_process import TopPLogitsWarper
 
 import titanite
-from tests.fixtures.chat import TOY_QA, make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import TINY_MOE, TINY_VOCAB, make_hf_checkpoint, read_metrics, run_cli, tiny_train_args
+from tests.fixtures.chat import TOY_QA, make_chat_tokenizer, toy_conversations, write_jsonl
 from titanite.commands.generate import (
     Sampling,
     forward_cached,

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import transformers
 
 import titanite
-from tests.fixtures.chat import make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import make_hf_checkpoint, read_metrics, stop_after, tiny_train_args
+from tests.fixtures.chat import make_chat_tokenizer, toy_conversations, write_jsonl
 from titanite.core.config import DataConfig, load_config
 from titanite.core.errors import UserError
 from titanite.data import load_tokenizer

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tokenizers
 
-from tests.fixtures.chat import make_chat_tokenizer, toy_conversations, write_jsonl
 from tests.conftest import REPO, corpus_texts, make_hf_checkpoint, run_cli, tiny_train_args
+from tests.fixtures.chat import make_chat_tokenizer, toy_conversations, write_jsonl
 from titanite.core.config import DataConfig
 from titanite.core.errors import UserError
 from titanite.data import PackedLoader, load_tokenizer, store

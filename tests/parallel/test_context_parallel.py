@@ -161,8 +161,8 @@ def test_tiny_long_config_trains_with_cp2_as_one_process(tmp_path):
     """configs/qwen3-4b-instruct-2507-long-tiny.toml (chat SFT, packed 2048-token sequences,
     cp = 2 on 2 ranks, selective checkpointing, evaluation) trains, and its losses and held-out
     losses equal the same config's on one process (cp = 1)."""
-    from tests.fixtures.chat import make_chat_tokenizer, toy_conversations, write_jsonl
     from tests.conftest import make_hf_checkpoint
+    from tests.fixtures.chat import make_chat_tokenizer, toy_conversations, write_jsonl
 
     base = make_hf_checkpoint(tmp_path / "base", make_chat_tokenizer(tmp_path / "tok"), max_position_embeddings=2048)
     chats = write_jsonl(tmp_path / "chat.jsonl", toy_conversations(40))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from tests.conftest import TINY_MOE
 from titanite import kernels
+from titanite.commands.estimate import main as estimate_main
 from titanite.core.config import ParallelismConfig, load_config
 from titanite.core.errors import UserError
 from titanite.models.qwen3.args import Qwen3Args, to_hf_config
@@ -16,7 +17,6 @@ from titanite.models.qwen3.model import Qwen3
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.mesh import ParallelDims
 from titanite.plan import estimate
-from titanite.commands.estimate import main as estimate_main
 
 DENSE = Qwen3Args(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16)

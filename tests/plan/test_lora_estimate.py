@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titanite.commands.estimate import main as estimate_main
 from titanite.core.config import load_config
 from titanite.core.errors import UserError
 from titanite.plan import estimate
-from titanite.commands.estimate import main as estimate_main
 from titanite.plan.lora import ATTENTION, EXPERTS
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

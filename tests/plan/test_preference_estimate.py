@@ -21,11 +21,11 @@ import tomllib
 import pytest
 
 from tests.conftest import REPO
+from titanite.commands.estimate import main as estimate_main
 from titanite.core.config import load_config
 from titanite.models.qwen3.args import to_hf_config
 from titanite.models.qwen3.flavors import get_flavor
 from titanite.plan import estimate
-from titanite.commands.estimate import main as estimate_main
 from titanite.plan.counts import GiB
 from titanite.plan.rehearse import rehearse
 
@@ -242,8 +242,8 @@ exit_process(0)
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict[str, object]:
-    from tests.fixtures.chat import make_chat_tokenizer
     from tests.conftest import make_hf_checkpoint
+    from tests.fixtures.chat import make_chat_tokenizer
     from tests.fixtures.preference import write_pair_data
 
     root = tmp_path_factory.mktemp("pairs")

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures.chat import make_chat_tokenizer, write_jsonl
 from tests.conftest import REPO, make_hf_checkpoint, make_tiny_tokenizer, read_metrics, run_cli, stop_after
+from tests.fixtures.chat import make_chat_tokenizer, write_jsonl
 from tests.fixtures.preference import make_pair_models, write_pair_data
 from tests.fixtures.reliability import _corrupt_flip
 from titanite.core.config import load_config

@@ -30,8 +30,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fixtures.chat import make_chat_tokenizer
 from tests.conftest import read_metrics, tiny_train_args
+from tests.fixtures.chat import make_chat_tokenizer
 from tests.fixtures.preference import (
     FORMS,
     MAX_LENGTH,
