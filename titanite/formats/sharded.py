@@ -80,6 +80,10 @@ def copy_local(target: torch.Tensor, full: torch.Tensor) -> None:
 def view_index(whole: torch.Tensor, piece: torch.Tensor) -> Index | None:
     """The index with `whole[index]` being the view `piece` (both meta tensors, `whole`
     contiguous), or None when `piece` is not such a view (an adapter that transposes or copies)."""
+    if piece is not whole and piece._base is not whole:
+        # A new tensor (a row permutation, a concatenation) can have whole's shape and strides
+        # without being whole: only a view of it says where it sits.
+        return None
     if piece.shape == whole.shape and piece.storage_offset() == 0 and piece.stride() == whole.stride():
         return ()
     rest, starts = piece.storage_offset(), []

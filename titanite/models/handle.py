@@ -242,8 +242,13 @@ class ModelHandle(ABC):
         """Seeded random init of the materialised, possibly sharded, model (the base of a LoRA
         model): normal(0, std) matrices, ones for norms, each Hugging Face tensor drawn from
         (seed, its key), so the weights do not depend on the layout or the backend."""
-        fill(self.module, self.base_adapter(), RandomSource(seed, std))
+        fill(self.module, self.base_adapter(), self.random_source(seed, std))
         self.init_buffers()
+
+    def random_source(self, seed: int, std: float) -> RandomSource:
+        """Where init_weights draws each Hugging Face tensor from (a backend with other init
+        rules, e.g. zero-centred norms, returns its own)."""
+        return RandomSource(seed, std)
 
     @abstractmethod
     def init_buffers(self) -> None:

@@ -42,7 +42,15 @@ _ATTRIBUTE = {
     "decoder_sparse_step": "decoder_sparse_step", "mlp_only_layers": "mlp_only_layers",
     "router_aux_loss_coef": "router_aux_loss_coef", "output_router_logits": "output_router_logits",
     "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+    # Qwen3.5 / Qwen3-Next (partial_rotary_factor lives in rope_parameters too)
+    "layer_types": "layer_types", "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads", "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim", "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
 }
+# Fields the model type fixes (the config class, not an attribute, states them): never pinned.
+_OF_MODEL_TYPE = ("model_type", "attn_output_gate", "zero_centred_norms")
+_ROPE = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 
 
 def resolve(cfg: ModelConfig) -> tuple[PretrainedConfig, Qwen3Args, dict[str, Any] | None]:
@@ -78,17 +86,23 @@ def args_of(config: PretrainedConfig, where: str) -> Qwen3Args:
 
 
 def pin(config: PretrainedConfig, want: Qwen3Args, where: str) -> None:
-    """Set every math-relevant value of `config` that differs from `want` back to `want`."""
+    """Set every math-relevant value of `config` that differs from `want` back to `want`. A
+    multimodal config (Qwen3.5) is pinned in its text config, but for the tied head, which
+    transformers reads at the top level."""
     got = args_of(config, where)
+    text = config.get_text_config()
     for f in dataclasses.fields(Qwen3Args):
         have, value = getattr(got, f.name), getattr(want, f.name)
         if have == value:
             continue
+        assert f.name not in _OF_MODEL_TYPE, f"{where}: {type(config).__name__} has {f.name}={have!r}, not {value!r}"
         # `value` is what the file states, or titanite's documented default where it is silent.
         log.warning("%s: transformers' config has %s=%r but %s gives %r; using %r",
                     type(config).__name__, f.name, have, where, value, value)
-        if f.name in ("rope_theta", "rope_scaling"):
-            config.rope_parameters = rope_parameters(want)
+        if f.name in _ROPE:  # MRoPE's sections (vision positions) are not titanite's to change
+            mrope = {k: v for k, v in (text.rope_parameters or {}).items() if k.startswith("mrope")}
+            text.rope_parameters = {**mrope, **rope_parameters(want)}
         else:
-            setattr(config, _ATTRIBUTE[f.name], list(value) if isinstance(value, tuple) else value)
+            target = config if f.name == "tie_word_embeddings" else text
+            setattr(target, _ATTRIBUTE[f.name], list(value) if isinstance(value, tuple) else value)
     assert args_of(config, where) == want, f"could not pin {type(config).__name__} to {where}"

@@ -1,7 +1,9 @@
-"""The native backend (`model.spec = "qwen3"`): titanite's own Qwen3 and Qwen3-MoE in a handle.
+"""The native backend (`model.spec = "qwen3"`): titanite's own Qwen3, Qwen3-MoE, Qwen3.5 and
+Qwen3-Next in a handle.
 
 The architecture comes from `model.hf_path`'s config.json when set, else from a named flavor.
-Checkpoints go in and out in the Hub's layout through `Qwen3StateDictAdapter`.
+Checkpoints go in and out in the Hub's layout through `Qwen3StateDictAdapter` (the hybrid
+families: `HybridStateDictAdapter`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import torch
 from titanite.core.config import KernelsConfig, LoraConfig, ModelConfig
 from titanite.core.errors import UserError
 from titanite.formats.safetensors_io import read_hf_config
-from titanite.formats.sharded import RegionGather
+from titanite.formats.sharded import RandomSource, RegionGather
 from titanite.models.handle import ActivationProfile, AllReduce, ModelHandle, ModelOptions, TrainOutput
 from titanite.models.lora import LoraTarget
 from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config, with_rope_scaling
 from titanite.models.qwen3.flavors import get_flavor
+from titanite.models.qwen3.hybrid_args import merge_into_source
+from titanite.models.qwen3.hybrid_state_dict import HybridRandomSource, HybridStateDictAdapter
 from titanite.models.qwen3.model import Qwen3
 from titanite.models.qwen3.moe import moe_layers
 from titanite.models.qwen3.state_dict import Qwen3StateDictAdapter
@@ -53,17 +57,23 @@ def build(cfg: ModelConfig) -> Qwen3Model:
 class Qwen3Model(ModelHandle):
     backend = "qwen3"
     supports_document_masks = True
-    supports_generation = True
     supports_expert_parallel = True
     fused_loss = True
     module: Qwen3
     pipeline_modules = ("layers", ("tok_embeddings",), ("norm", "output"))
+
+    @property
+    def supports_generation(self) -> bool:  # type: ignore[override]
+        # KV-cache decoding only: Gated DeltaNet's recurrent state has no decoding cache yet.
+        return not self.args.is_hybrid
 
     def routing(self, layers: range) -> list[tuple[int, Any]]:
         return [(i, m.last_routing) for i, m in moe_layers(self.module) if i in layers]
 
     def hf_config(self) -> dict[str, Any]:
         # Start from the checkpoint's own config.json so fields titanite does not model survive.
+        if self.args.is_hybrid:  # also inside text_config (multimodal) and rope_parameters (MRoPE)
+            return merge_into_source(self.source_config or {}, to_hf_config(self.args))
         base = dict(self.source_config or {})
         base.update(to_hf_config(self.args))
         return base
@@ -72,7 +82,10 @@ class Qwen3Model(ModelHandle):
         return ActivationProfile(sequence_parallel=True, keeps_logits=self.keeps_logits(kernels_cfg, tp))
 
     def state_dict_adapter(self) -> Qwen3StateDictAdapter:
-        return Qwen3StateDictAdapter(self.args)
+        return HybridStateDictAdapter(self.args) if self.args.is_hybrid else Qwen3StateDictAdapter(self.args)
+
+    def random_source(self, seed: int, std: float) -> RandomSource:
+        return HybridRandomSource(seed, std) if self.args.is_hybrid else RandomSource(seed, std)
 
     def hf_state_dict(self, regions: RegionGather | None = None,
                       merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

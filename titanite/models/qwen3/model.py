@@ -3,6 +3,10 @@
 Shapes: B batch, S sequence, H hidden, Hq/Hk query/key-value heads, D head_dim, V vocab.
 Replaceable math (norms, RoPE, attention, SwiGLU, MoE routing, dispatch and experts, the loss)
 goes through `titanite.kernels.op` call sites, bound from `[kernels]` by `kernels.attach`.
+
+Qwen3.5 and Qwen3-Next are the same decoder with other blocks chosen from `Qwen3Args`: Gated
+DeltaNet or gated full attention per layer (hybrid.py), zero-centred norms (norms.py), and a
+shared expert beside the routed ones (moe.py).
 """
 
 from __future__ import annotations
@@ -14,20 +18,11 @@ from torch import nn
 
 from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.qwen3.hybrid import GatedAttention, GatedDeltaNet, GatedRMSNorm
 from titanite.models.qwen3.kv_cache import KVCache, LayerCache
 from titanite.models.qwen3.moe import GroupedExperts, MoE, TopKRouter
+from titanite.models.qwen3.norms import RMSNorm, ZeroCentredRMSNorm, make_norm
 from titanite.models.stage import Part
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.kernel = kernels.op("rms_norm")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -35,11 +30,13 @@ class RotaryEmbedding(nn.Module):
     its RoPE types (modeling_rope_utils): `inv_freq` from rope_theta and the scaling (linear and
     YaRN scale it; dynamic NTK grows theta with the longest position of each forward), and cos/sin
     times YaRN's attention factor (1 otherwise). `inv_freq` is a non-persistent buffer, recomputed
-    by `reset_parameters` after meta-device init (to_empty leaves it as garbage)."""
+    by `reset_parameters` after meta-device init (to_empty leaves it as garbage). With partial
+    RoPE (Qwen3.5, Qwen3-Next) the frequencies span the rotary dims only: `head_dim` below is
+    Qwen3Args.rotary_dim."""
 
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.scaling = a.head_dim, a.rope_theta, a.rope_scaling
+        self.head_dim, self.theta, self.scaling = a.rotary_dim, a.rope_theta, a.rope_scaling
         self.max_positions = a.max_position_embeddings  # dynamic: the length it starts to grow theta at
         inv_freq, self.attention_scaling = self._frequencies()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -176,15 +173,25 @@ class OutputHead(nn.Linear):
         return kernels.head_loss(self.loss, h, self.weight, labels)
 
 
+def token_mixer(a: Qwen3Args, layer_id: int) -> nn.Module:
+    """Qwen3's attention, or for Qwen3.5 / Qwen3-Next the layer's type: Gated DeltaNet on
+    "linear_attention" layers, gated full attention on the others."""
+    if a.layer_is_linear(layer_id):
+        return GatedDeltaNet(a)
+    return GatedAttention(a) if a.attn_output_gate else Attention(a)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, a: Qwen3Args, layer_id: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.attention = Attention(a)
-        self.ffn_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.attention_norm = make_norm(a, a.hidden_size)
+        self.attention = token_mixer(a, layer_id)
+        self.ffn_norm = make_norm(a, a.hidden_size)
         # Qwen3-MoE keeps some layers dense (mlp_only_layers, decoder_sparse_step).
+        shared = (FeedForward(a.hidden_size, a.shared_expert_intermediate_size)
+                  if a.shared_expert_intermediate_size else None)
         self.feed_forward = (MoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok,
-                                 a.norm_topk_prob)
+                                 a.norm_topk_prob, shared_expert=shared)
                              if a.layer_is_moe(layer_id) else FeedForward(a.hidden_size, a.intermediate_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -203,7 +210,7 @@ class Qwen3(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rotary = RotaryEmbedding(args)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = make_norm(args, args.hidden_size)
         self.output = None if args.tie_word_embeddings else OutputHead(args.hidden_size, args.vocab_size)
         # The tied head's loss call site (an untied head, OutputHead, has its own).
         self.loss = kernels.op("loss") if self.output is None else None
@@ -259,13 +266,16 @@ class Qwen3(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Random init: normal(0, std) for matrices and embeddings, ones for norms. Seed first."""
+        """Random init: normal(0, std) for matrices and embeddings, ones for norms (zeros for
+        zero-centred ones), Gated DeltaNet's decay as transformers draws it. Seed first."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, ZeroCentredRMSNorm):
+                nn.init.zeros_(module.weight)
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
                 nn.init.ones_(module.weight)
-            elif isinstance(module, GroupedExperts):
+            elif isinstance(module, (GroupedExperts, GatedDeltaNet)):  # a GatedDeltaNet's own tensors only
                 module.init_weights(std)
             elif isinstance(module, TopKRouter):  # its gate is an nn.Linear, initialised above
                 module.expert_bias.zero_()

@@ -110,27 +110,35 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Qwen3 sparse MoE block (no shared expert). After each forward `last_routing` holds this
-    layer's RoutingRecord, which the model handle turns into the auxiliary loss and telemetry."""
+    """Sparse MoE block. After each forward `last_routing` holds this layer's RoutingRecord, which
+    the model handle turns into the auxiliary loss and telemetry.
+
+    Qwen3-MoE has routed experts only. Qwen3.5-MoE and Qwen3-Next add `shared_expert` (a SwiGLU
+    MLP every token passes through), scaled per token by sigmoid(shared_expert_gate(x)), with
+    shared_expert_gate.weight [1, H]."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool) -> None:
+                 norm_topk_prob: bool, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.router = TopKRouter(hidden, num_experts, top_k, norm_topk_prob)
         self.dispatcher = TokenDispatcher(num_experts)
         self.experts = GroupedExperts(num_experts, hidden, intermediate)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None if shared_expert is None else nn.Linear(hidden, 1, bias=False)
         self.last_routing: RoutingRecord | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, S, H] -> [B, S, H] (same dtype)."""
         tokens = x.reshape(-1, x.shape[-1])  # [T, H]
         probs, topk_weights, topk_ids = self.router(tokens)
-        out = self.dispatcher(tokens, topk_ids, topk_weights, self.experts)
+        out = self.dispatcher(tokens, topk_ids, topk_weights, self.experts).to(x.dtype)
         with torch.no_grad():
             counts = expert_counts(topk_ids, self.num_experts)
         self.last_routing = RoutingRecord(counts, probs.sum(dim=0), tokens.shape[0])
-        return out.to(x.dtype).view(x.shape)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        return out.view(x.shape)
 
 
 # -- finding the MoE layers of a built model ---------------------------------------------
