@@ -202,7 +202,9 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
     log-probabilities, whose softmax is the router's probabilities."""
     x = hidden_states.reshape(-1, self.hidden_dim)
     with torch.autocast(x.device.type, enabled=False):
-        probs, weights, ids = self.kernel(x.float(), self.weight.float(), self.top_k, self.norm_topk_prob, None)
+        # Qwen3.5-MoE's router always renormalises its top-k (it has no norm_topk_prob).
+        norm = getattr(self, "norm_topk_prob", True)
+        probs, weights, ids = self.kernel(x.float(), self.weight.float(), self.top_k, norm, None)
     with torch.no_grad():
         counts = expert_counts(ids, self.num_experts)
     self.last_routing = RoutingRecord(counts, probs.sum(dim=0), x.shape[0])
@@ -254,13 +256,19 @@ def _replace_forward(module: nn.Module, fn: Callable, **sites: str) -> None:
 
 
 def _module_classes() -> dict[str, tuple[type, ...]]:
+    """Qwen3's modules, and the Qwen3.5 / Qwen3-Next ones that compute the same math (their
+    zero-centred norms and gated attention are left to transformers; their Gated DeltaNet
+    layers are hf_delta.py's)."""
     from transformers.models.qwen3 import modeling_qwen3 as dense
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hybrid
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hybrid_moe
     from transformers.models.qwen3_moe import modeling_qwen3_moe as moe
+    from transformers.models.qwen3_next import modeling_qwen3_next as next_
 
     return {"norm": (dense.Qwen3RMSNorm, moe.Qwen3MoeRMSNorm),
             "attention": (dense.Qwen3Attention, moe.Qwen3MoeAttention),
-            "mlp": (dense.Qwen3MLP, moe.Qwen3MoeMLP),
-            "router": (moe.Qwen3MoeTopKRouter,)}
+            "mlp": (dense.Qwen3MLP, moe.Qwen3MoeMLP, hybrid.Qwen3_5MLP, hybrid_moe.Qwen3_5MoeMLP, next_.Qwen3NextMLP),
+            "router": (moe.Qwen3MoeTopKRouter, hybrid_moe.Qwen3_5MoeTopKRouter, next_.Qwen3NextTopKRouter)}
 
 
 def install(hf: nn.Module) -> dict[str, int]:

@@ -97,7 +97,6 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     handle = get_spec(cfg.model.spec).build(cfg.model)
     if cfg.lora.enabled:  # before the kernels attach: the adapters replace modules they bind
         handle.apply_lora(cfg.lora)
-    hf_config = handle.hf_config()
     check_rope_reach(handle.args, cfg.data.seq_len)
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     kernels_cfg = choose_loss(cfg, handle, device)
@@ -114,8 +113,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> Prepared:
     if handle.lora is not None:
         check_lora(cfg, handle, weights, resuming)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
-    check_vocab(tokenizer, hf_config["vocab_size"])
-    check_data_stores(cfg, tokenizer, hf_config["vocab_size"])
+    check_vocab(tokenizer, handle.args.vocab_size)  # a multimodal config.json keeps it in text_config
+    check_data_stores(cfg, tokenizer, handle.args.vocab_size)
     reference, reference_weights = None, None
     if reference_model_config(cfg) is not None:  # preference training with a separate reference model
         reference, reference_weights = check_reference(cfg, handle, kernels_cfg, device.type, compute_dtype,
@@ -185,6 +184,13 @@ def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
         raise UserError(f"parallelism.cp = {dims.cp} with the model's 'dynamic' RoPE scaling: dynamic scaling depends "
                         "on the longest position of each sequence, which no cp rank sees whole; use rope_type "
                         "'yarn' or 'linear' (model.rope_scaling) or set parallelism.cp = 1")
+    if handle.args.is_hybrid and dims.cp > 1:
+        raise UserError(f"config key 'parallelism.cp' = {dims.cp} is not available for this model yet: its Gated "
+                        "DeltaNet layers carry a recurrent state along the sequence, which context parallelism does "
+                        "not pass between ranks yet; set parallelism.cp = 1")
+    if handle.args.is_hybrid and dims.pp > 1:
+        raise UserError(f"config key 'parallelism.pp' = {dims.pp} is not available for this model yet: pipeline "
+                        "stages are not cut over hybrid Gated DeltaNet / attention stacks yet; set parallelism.pp = 1")
     if dims.ep > 1 and not handle.supports_expert_parallel:
         raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
                         f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "
