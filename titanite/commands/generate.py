@@ -37,10 +37,11 @@ log = logging.getLogger("titanite")
 
 
 def new_cache(model: Qwen3, batch: int, max_len: int) -> KVCache:
-    """An empty cache sized for `model` (a native Qwen3), in its parameters' dtype and device."""
-    arch = model.args
+    """An empty cache sized for `model` (a native Qwen3; Qwen3.5 / Qwen3-Next: keys and values of
+    the full-attention layers, conv window and recurrent state of the Gated DeltaNet ones), in
+    its parameters' dtype and device."""
     p = next(model.parameters())
-    return KVCache(arch.num_layers, batch, arch.num_kv_heads, arch.head_dim, max_len, p.dtype, p.device)
+    return KVCache.for_model(model.args, batch, max_len, p.dtype, p.device)
 
 
 def forward_cached(model: Qwen3, ids: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:

@@ -33,8 +33,14 @@ from titanite.core.errors import UserError
 from titanite.formats.sharded import copy_local, local_part, name_seed
 
 # The Hugging Face names a target may use: dense linear modules, and the MoE experts' fused
-# projections (parameters of the experts module, written "experts.<param>").
-LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# projections (parameters of the experts module, written "experts.<param>"). Qwen3.5's and
+# Qwen3-Next's Gated DeltaNet layers (`linear_attn.*`) have their own projections: Qwen3.5's
+# in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's in_proj_qkvz / in_proj_ba, and
+# out_proj in both.
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkvz", "in_proj_qkv", "in_proj_z", "in_proj_ba", "in_proj_b", "in_proj_a",
+                            "out_proj")
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", *LINEAR_ATTENTION_TARGETS, "gate_proj", "up_proj",
+                  "down_proj")
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 KNOWN_TARGETS = LINEAR_TARGETS + EXPERT_TARGETS
 
@@ -68,6 +74,12 @@ class LoraTarget:
     b_canonical: Convert = _same
     a_backend: Convert = _same
     b_backend: Convert = _same
+    # The native Gated DeltaNet's fused projections: the target is a row block of the fused base
+    # weight (Qwen3.5's in_proj_qkv inside w_qkvz) or the whole of it in another row order
+    # (Qwen3-Next's in_proj_qkvz). `base` then names no state-dict key (so ModelHandle's merge,
+    # which adds B @ A to whole base weights, leaves it) and the backend's merged export adds
+    # scale * B @ A to the Hugging Face tensor `key`.weight instead, which is exactly that weight.
+    merge_in_hf: bool = False
 
     @property
     def short_name(self) -> str:

@@ -10,8 +10,16 @@ peft's math.
   fused experts. The factors are stacked on the expert dim [E, ...], so expert parallelism
   shards them with the experts.
 
+- Gated DeltaNet (Qwen3.5, Qwen3-Next) fuses its input projections natively (w_qkvz, w_ba;
+  models/qwen3/hybrid.py), where transformers has one module per block (Qwen3.5's in_proj_qkv,
+  in_proj_z, in_proj_b, in_proj_a) or per fused pair, interleaved per key head (Qwen3-Next's
+  in_proj_qkvz, in_proj_ba). Each Hugging Face module keeps its own adapter, exactly as peft's:
+  Qwen3.5's as `LoraRowBlocks`, one adapter per row block of the fused weight; Qwen3-Next's as a
+  `LoraLinear` whose B rows are stored in native order and converted to and from transformers'
+  interleaved order (a permutation of rows, so B's rows map to the fused rows block by block).
+
 Names: native `layers.{i}.attention.wq` is Hugging Face `model.layers.{i}.self_attn.q_proj`,
-and so on (the table below, the same as the state-dict adapter's).
+and so on (the tables below, the same as the state-dict adapter's).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from torch import nn
 
 from titanite.core.config import LoraConfig
 from titanite.models.lora import EXPERT_TARGETS, LoraTarget, check_dropout, chosen_targets, scale
+from titanite.models.qwen3.hybrid import GatedDeltaNet
+from titanite.models.qwen3.hybrid_state_dict import HybridStateDictAdapter
 from titanite.models.qwen3.moe import GroupedExperts
 
 # native attribute path inside a block -> Hugging Face module name inside model.layers.{i}.
@@ -31,6 +41,8 @@ _LINEAR = {
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
 }
 _EXPERT_PARAMS = {"w_gate_up": "gate_up_proj", "w_down": "down_proj"}
+_ATTENTION = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+_MLP = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
 
 
 class LoraLinear(nn.Linear):
@@ -52,6 +64,39 @@ class LoraLinear(nn.Linear):
         if not self.scale:  # adapters switched off (a DPO reference's forward): the base alone
             return y
         return y + self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))) * self.scale
+
+
+class LoraRowBlocks(nn.Linear):
+    """A frozen fused linear (bias-free) whose row blocks are separate Hugging Face modules, each
+    with its own rank-r adapter (or none): y = x W^T + scale * concat_p(B_p(A_p(dropout_p(x)))),
+    zeros for a block without one. That is peft's math on each module: its own dropout mask, drawn
+    in the blocks' order, as transformers calls them. Adapters in ModuleDicts by the block's
+    Hugging Face name: lora_A[name] [r, in], lora_B[name] [rows, r]."""
+
+    def __init__(self, base: nn.Linear, blocks: list[tuple[str, int]], adapted: set[str], rank: int, s: float,
+                 dropout: float) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        assert sum(rows for _, rows in blocks) == self.out_features, (blocks, self.out_features)
+        self.weight = base.weight
+        self.register_parameter("bias", None)
+        self.blocks = blocks
+        factory = {"device": base.weight.device, "dtype": torch.float32}
+        self.lora_A = nn.ModuleDict({n: nn.Linear(self.in_features, rank, bias=False, **factory)
+                                     for n, _ in blocks if n in adapted})
+        self.lora_B = nn.ModuleDict({n: nn.Linear(rank, rows, bias=False, **factory)
+                                     for n, rows in blocks if n in adapted})
+        self.dropout = nn.ModuleDict({n: nn.Dropout(dropout) if dropout else nn.Identity() for n in self.lora_A})
+        self.scale = s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if not self.scale:  # adapters switched off (a DPO reference's forward): the base alone
+            return y
+        xa = x.to(torch.float32)
+        parts = [self.lora_B[n](self.lora_A[n](self.dropout[n](xa))) if n in self.lora_A
+                 else xa.new_zeros(*x.shape[:-1], rows) for n, rows in self.blocks]
+        return y + torch.cat(parts, dim=-1) * self.scale
 
 
 class LoraGroupedExperts(GroupedExperts):
@@ -82,13 +127,39 @@ class LoraGroupedExperts(GroupedExperts):
         return self.kernel(x, counts, self.effective("w_gate_up"), self.effective("w_down"))
 
 
+def _linear_attention(model: nn.Module, block: GatedDeltaNet) -> list[tuple[str, list[tuple[str, int]], bool]]:
+    """(native path, [(HF module, rows)], whether the rows are in another order) of a Gated DeltaNet
+    block's projections: row blocks of w_qkvz / w_ba for Qwen3.5, the whole weight interleaved
+    per key head for Qwen3-Next."""
+    keys = block.key_heads * block.key_dim
+    values, heads = block.value_heads * block.value_dim, block.value_heads
+    if model.args.model_type == "qwen3_next":
+        qkvz = [("linear_attn.in_proj_qkvz", 2 * keys + 2 * values)]
+        return [("attention.w_qkvz", qkvz, True), ("attention.w_ba", [("linear_attn.in_proj_ba", 2 * heads)], True),
+                ("attention.wo", [("linear_attn.out_proj", values)], False)]
+    return [("attention.w_qkvz", [("linear_attn.in_proj_qkv", 2 * keys + values), ("linear_attn.in_proj_z", values)],
+             False),
+            ("attention.w_ba", [("linear_attn.in_proj_b", heads), ("linear_attn.in_proj_a", heads)], False),
+            ("attention.wo", [("linear_attn.out_proj", values)], False)]
+
+
+def _table(model: nn.Module, block: nn.Module) -> list[tuple[str, list[tuple[str, int]], bool]]:
+    """Every adaptable linear of a block, as _linear_attention describes them."""
+    mixer = (_linear_attention(model, block.attention) if isinstance(block.attention, GatedDeltaNet)
+             else [(p, [(_LINEAR[p], 0)], False) for p in _ATTENTION])
+    return [(p, hf, mixed) for p, hf, mixed in mixer + [(p, [(_LINEAR[p], 0)], False) for p in _MLP]
+            if _find(block, p) is not None]
+
+
+def _leaf(hf: str) -> str:
+    return hf.split(".")[-1]
+
+
 def available(model: nn.Module) -> set[str]:
     """The target_modules names this native model has."""
     names = set()
     for block in model.layers:
-        for path, hf in _LINEAR.items():
-            if _find(block, path) is not None:
-                names.add(hf.split(".")[-1])
+        names.update(_leaf(hf) for _, blocks, _ in _table(model, block) for hf, _ in blocks)
         if isinstance(getattr(block.feed_forward, "experts", None), GroupedExperts):
             names.update(EXPERT_TARGETS)
     return names
@@ -103,23 +174,46 @@ def _find(block: nn.Module, path: str) -> nn.Linear | None:
     return module if isinstance(module, nn.Linear) else None
 
 
+def _reordered(model: nn.Module, path: str) -> dict:
+    """Converters of a Qwen3-Next projection's B between native row order (stored) and
+    transformers' per-key-head interleaving (canonical): a permutation of rows."""
+    sd = HybridStateDictAdapter(model.args)
+    blocks = sd._qkvz_blocks() if path.endswith("w_qkvz") else sd._ba_blocks()
+    return {"b_canonical": lambda b: sd._interleave(b, blocks), "b_backend": lambda b: sd._deinterleave(b, blocks)}
+
+
 def apply(model: nn.Module, cfg: LoraConfig) -> list[LoraTarget]:
     """Put the adapters into the (meta-device) native model in place; returns them in a fixed
-    order (layer, then the table's order)."""
+    order (layer, then the tables' order)."""
     wanted = chosen_targets(cfg, available(model))
     check_dropout(cfg, wanted)
     s = scale(cfg)
     targets: list[LoraTarget] = []
     for i, block in enumerate(model.layers):
-        for path, hf in _LINEAR.items():
-            base = _find(block, path)
-            if base is None or hf.split(".")[-1] not in wanted:
+        for path, blocks, reordered in _table(model, block):
+            adapted = [hf for hf, _ in blocks if _leaf(hf) in wanted]
+            if not adapted:
                 continue
+            base, where = _find(block, path), f"layers.{i}.{path}"
             parent_path, attr = path.rsplit(".", 1)
-            wrapped = LoraLinear(base, cfg.rank, s, cfg.dropout)
-            setattr(block.get_submodule(parent_path), attr, wrapped)
-            targets.append(LoraTarget(f"model.layers.{i}.{hf}", f"layers.{i}.{path}.weight",
-                                      f"layers.{i}.{path}.lora_A.weight", f"layers.{i}.{path}.lora_B.weight"))
+            if len(blocks) == 1:
+                setattr(block.get_submodule(parent_path), attr, LoraLinear(base, cfg.rank, s, cfg.dropout))
+                extra = _reordered(model, path) if reordered else {}
+                targets.append(LoraTarget(f"model.layers.{i}.{blocks[0][0]}",
+                                          f"{where}.weight" if not reordered else f"{where}.weight (reordered)",
+                                          f"{where}.lora_A.weight", f"{where}.lora_B.weight",
+                                          merge_in_hf=reordered, **extra))
+                continue
+            leaves = [(_leaf(hf), rows) for hf, rows in blocks]
+            setattr(block.get_submodule(parent_path), attr,
+                    LoraRowBlocks(base, leaves, {_leaf(hf) for hf in adapted}, cfg.rank, s, cfg.dropout))
+            start = 0
+            for hf, rows in blocks:  # base: the block's rows of the fused weight, not a state-dict key
+                if hf in adapted:
+                    targets.append(LoraTarget(f"model.layers.{i}.{hf}", f"{where}.weight[{start}:{start + rows}]",
+                                              f"{where}.lora_A.{_leaf(hf)}.weight",
+                                              f"{where}.lora_B.{_leaf(hf)}.weight", merge_in_hf=True))
+                start += rows
         experts = getattr(block.feed_forward, "experts", None)
         adapted = [p for p, hf in _EXPERT_PARAMS.items() if f"experts.{hf}" in wanted]
         if isinstance(experts, GroupedExperts) and adapted:

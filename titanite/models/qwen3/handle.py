@@ -8,6 +8,7 @@ families: `HybridStateDictAdapter`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +18,9 @@ import torch
 from titanite.core.config import KernelsConfig, LoraConfig, ModelConfig
 from titanite.core.errors import UserError
 from titanite.formats.safetensors_io import read_hf_config
-from titanite.formats.sharded import RandomSource, RegionGather
+from titanite.formats.sharded import RandomSource, RegionGather, gather_whole, local_regions
 from titanite.models.handle import ActivationProfile, AllReduce, ModelHandle, ModelOptions, TrainOutput
-from titanite.models.lora import LoraTarget
+from titanite.models.lora import LoraTarget, delta, scale
 from titanite.models.moe_stats import load_balancing_loss, pooled, routing_stats
 from titanite.models.qwen3.args import Qwen3Args, from_hf_config, to_hf_config, with_rope_scaling
 from titanite.models.qwen3.flavors import get_flavor
@@ -58,14 +59,10 @@ class Qwen3Model(ModelHandle):
     backend = "qwen3"
     supports_document_masks = True
     supports_expert_parallel = True
+    supports_generation = True  # hybrid layers too: kv_cache.py keeps their conv window and state
     fused_loss = True
     module: Qwen3
     pipeline_modules = ("layers", ("tok_embeddings",), ("norm", "output"))
-
-    @property
-    def supports_generation(self) -> bool:  # type: ignore[override]
-        # KV-cache decoding only: Gated DeltaNet's recurrent state has no decoding cache yet.
-        return not self.args.is_hybrid
 
     def routing(self, layers: range) -> list[tuple[int, Any]]:
         return [(i, m.last_routing) for i, m in moe_layers(self.module) if i in layers]
@@ -93,7 +90,13 @@ class Qwen3Model(ModelHandle):
                for _, m in moe_layers(self.module)):
             log.warning("the MoE routing bias (model.moe_bias_update_rate) is not part of the Hugging Face "
                         "layout and is left out of the export: transformers will route without it")
-        yield from super().hf_state_dict(regions, merged)
+        hf_merged = {f"{t.key}.weight": t for t in self.lora.targets if t.merge_in_hf} if merged and self.lora else {}
+        for key, tensor in super().hf_state_dict(regions, merged):
+            t = hf_merged.get(key)
+            if t is not None:  # a Gated DeltaNet adapter: B @ A is exactly this tensor's update (lora/native.py)
+                a, b = self._full_factors(t, functools.partial(gather_whole, regions or local_regions, t.a))
+                tensor = (tensor.float() + delta(t, a, b, scale(self.lora.cfg))).to(tensor.dtype)
+            yield key, tensor
 
     def _inject_lora(self, cfg: LoraConfig) -> list[LoraTarget]:
         from titanite.models.lora import native

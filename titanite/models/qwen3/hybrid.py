@@ -16,6 +16,7 @@ from torch import nn
 
 from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
+from titanite.models.qwen3.kv_cache import DeltaLayerCache, LayerCache
 from titanite.models.qwen3.norms import make_norm
 
 
@@ -66,21 +67,28 @@ class GatedDeltaNet(nn.Module):
         self.delta = kernels.op("gated_delta")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, kv_cache: object = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, kv_cache: DeltaLayerCache | None = None) -> torch.Tensor:
         """x: [B, S, H] -> [B, S, H]. cos/sin are unused: the recurrence orders the tokens.
         document_ids: int64 [B, S] of packed samples: the conv window and the state restart at
-        each. No decoding cache (kv_cache must be None)."""
-        assert kv_cache is None, "Gated DeltaNet layers have no decoding cache"
+        each. kv_cache (decoding, no document_ids): the S tokens continue the cached conv window
+        and recurrent state, which then move past them."""
         B, S, _ = x.shape
         qkv, z = self.w_qkvz(x).split([sum(self.splits), self.value_heads * self.value_dim], dim=-1)
         b, a = self.w_ba(x).chunk(2, dim=-1)  # [B, S, Hv] each
-        q, k, v = self.conv(qkv, self.conv_weight, document_ids).split(self.splits, dim=-1)
+        if kv_cache is None:
+            mixed = self.conv(qkv, self.conv_weight, document_ids)  # [B, S, C]
+        else:  # the conv over the cached window + the new tokens; the window's outputs are not new
+            mixed = self.conv(kv_cache.extend(qkv), self.conv_weight)[:, -S:]
+        q, k, v = mixed.split(self.splits, dim=-1)
         q = l2norm(q.view(B, S, -1, self.key_dim))  # [B, S, Hk, Dk] fp32
         k = l2norm(k.view(B, S, -1, self.key_dim))
         v = v.view(B, S, -1, self.value_dim)  # [B, S, Hv, Dv]
         # In fp32: in bf16, exp(A_log) of a large A_log and softplus near 0 lose the decay.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [B, S, Hv]
-        out, _ = self.delta(q, k, v, g, b.sigmoid(), self.key_dim ** -0.5, document_ids=document_ids)
+        initial = None if kv_cache is None else kv_cache.state  # None at prefill: zeros, as in training
+        out, state = self.delta(q, k, v, g, b.sigmoid(), self.key_dim ** -0.5, initial, document_ids)
+        if kv_cache is not None:
+            kv_cache.state = state  # [B, Hv, Dk, Dv] fp32
         out = self.norm(out, z.view(B, S, -1, self.value_dim))  # [B, S, Hv, Dv]
         return self.wo(out.reshape(B, S, -1))
 
@@ -115,10 +123,10 @@ class GatedAttention(nn.Module):
         self.attend = kernels.op("attention")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None, kv_cache: object = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, kv_cache: LayerCache | None = None) -> torch.Tensor:
         """x: [B, S, H]; cos, sin: [B, S, R] -> [B, S, H]. document_ids: int64 [B, S] of packed
-        samples (block-causal attention). No decoding cache (kv_cache must be None)."""
-        assert kv_cache is None, "the hybrid models decode without a cache"
+        samples (block-causal attention). With kv_cache (decoding) the S new positions extend the
+        cached keys and values and attend over all of them."""
         B, S, _ = x.shape
         D, R = self.head_dim, self.rotary_dim
         q, gate = self.wq(x).view(B, S, -1, 2 * D).chunk(2, dim=-1)  # [B, S, Hq, D] each
@@ -127,6 +135,8 @@ class GatedAttention(nn.Module):
         v = self.wv(x).view(B, S, -1, D).transpose(1, 2)
         q_rot, k_rot = self.rope(q[..., :R].contiguous(), k[..., :R].contiguous(), cos, sin)
         q, k = torch.cat((q_rot, q[..., R:]), dim=-1), torch.cat((k_rot, k[..., R:]), dim=-1)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)  # [B, Hk, cached + S, D]
         if document_ids is None:
             out = self.attend(q, k, v, D ** -0.5)  # [B, Hq, S, D]
         else:

@@ -19,7 +19,7 @@ from torch import nn
 from titanite import kernels
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.qwen3.hybrid import GatedAttention, GatedDeltaNet, GatedRMSNorm
-from titanite.models.qwen3.kv_cache import KVCache, LayerCache
+from titanite.models.qwen3.kv_cache import DeltaLayerCache, KVCache, LayerCache
 from titanite.models.qwen3.moe import GroupedExperts, MoE, TopKRouter
 from titanite.models.qwen3.norms import RMSNorm, ZeroCentredRMSNorm, make_norm
 from titanite.models.stage import Part
@@ -195,7 +195,8 @@ class TransformerBlock(nn.Module):
                              if a.layer_is_moe(layer_id) else FeedForward(a.hidden_size, a.intermediate_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None, kv_cache: LayerCache | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                kv_cache: LayerCache | DeltaLayerCache | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, document_ids, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
