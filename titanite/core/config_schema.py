@@ -139,7 +139,7 @@ class LoraConfig:
     rank: int = _f(16, "Adapter rank r (> 0). For MoE experts it is the rank of each expert's adapter, as in peft.")
     alpha: float = _f(32.0, "Scale: the update is B @ A x alpha / rank.")
     dropout: float = _f(0.0, "Dropout on the adapter's input, in [0, 1). Must be 0 when MoE experts are targeted (peft cannot represent it there).")
-    target_modules: list[str] = _f([LORA_ALL], "Hugging Face module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (dense MLPs), experts.gate_up_proj, experts.down_proj (MoE experts' fused projections); 'all-linear' = every one of them this model has (not the head or the router).")
+    target_modules: list[str] = _f([LORA_ALL], "Hugging Face module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (dense MLPs), experts.gate_up_proj, experts.down_proj (MoE experts' fused projections), and on Qwen3.5 / Qwen3-Next's Gated DeltaNet layers in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (in_proj_qkvz, in_proj_ba on Next), out_proj; 'all-linear' = every one of them this model has (not the head or the router).")
     base_dtype: str = _f("fp32", "Storage of the frozen base weights: 'fp32' or 'bf16' (needs training.mixed_precision = 'bf16'). Adapters, their gradients and optimizer state stay fp32. With a bf16 base the embedding output, and so the residual stream and the norms, are bf16 too (with an fp32 base, autocast keeps them fp32).",
                          choices=("fp32", "bf16"))
     init: str = _f("kaiming", "Adapter init: B = 0 and A Kaiming-uniform ('kaiming', peft's default) or A normal with std 1/rank ('gaussian'). Drawn per adapter from job.seed and its name, so every layout and both backends start from the same adapters.",
