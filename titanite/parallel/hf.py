@@ -32,8 +32,9 @@ from titanite.models.stage import module_at, present
 from titanite.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp
+from titanite.parallel.hybrid_tp import apply_delta_tp
 from titanite.parallel.lora_tp import adapt_plan, keep_frozen
-from titanite.parallel.tensor_parallel import ReplicateParallel, block_plan
+from titanite.parallel.tensor_parallel import ReplicateParallel, block_plan, replicate_unsplit
 
 # transformers' Qwen3 decoder layer's modules by role (see tensor_parallel.block_plan).
 HF_NAMES = {
@@ -52,6 +53,9 @@ def parallelize_hf(handle: ModelHandle, world: World, cfg: Config) -> None:
     if world.dims is not None and world.dims.tp > 1:
         with keep_frozen(hf):
             apply_tensor_parallel_hf(hf, world.meshes["tp"], tied)
+            if not uses_fsdp(world):  # FSDP would turn the MoE blocks' plain parameters into DTensors
+                replicate_unsplit([layer.mlp for _, layer in present(hf.model.layers)
+                                   if hasattr(layer.mlp, "experts")], world.meshes["tp"])
         handle.vocab_parallel = True
     expert_params: list = []
     if world.dims is not None and world.dims.ep > 1:
@@ -86,8 +90,11 @@ def apply_tensor_parallel_hf(causal_lm: nn.Module, tp_mesh: DeviceMesh, tied: bo
         # A sparse (MoE) layer's block is left whole: it runs on every tensor-parallel rank on the
         # same tokens (the residual stream is whole here), its experts sharded by expert
         # parallelism when ep > 1.
-        plan = block_plan(HF_NAMES, sequence_parallel=False, sparse=hasattr(layer.mlp, "experts"))
+        delta = hasattr(layer, "linear_attn")  # Qwen3.5 / Qwen3-Next: a Gated DeltaNet layer
+        plan = block_plan(HF_NAMES, sequence_parallel=False, sparse=hasattr(layer.mlp, "experts"), delta=delta)
         parallelize_module(layer, tp_mesh, adapt_plan(plan, layer))
+        if delta:
+            apply_delta_tp(layer.linear_attn, tp_mesh, RowwiseParallel())
     if tied:
         # Each style registered its own Parameter; the head must use the embedding's (both are
         # vocabulary-sharded [V, H], so one DTensor serves both).

@@ -79,7 +79,12 @@ class ParallelDims:
         checks = []
         if self.tp > 1:
             checks += [("tp", self.tp, "num_attention_heads"), ("tp", self.tp, "num_key_value_heads"),
-                       ("tp", self.tp, "vocab_size"), ("tp", self.tp, "intermediate_size")]
+                       ("tp", self.tp, "vocab_size")]
+            # An MoE model without dense layers may have no intermediate_size; its MoE blocks are unsplit.
+            if hf_config.get("intermediate_size") is not None or not hf_config.get("num_experts"):
+                checks.append(("tp", self.tp, "intermediate_size"))
+            if hf_config.get("linear_num_key_heads"):  # Gated DeltaNet: whole key heads per rank
+                checks += [("tp", self.tp, "linear_num_key_heads"), ("tp", self.tp, "linear_num_value_heads")]
         if self.ep > 1:
             if not hf_config.get("num_experts"):
                 raise UserError(f"parallelism.ep = {self.ep} but {where} is dense (no num_experts); set ep = 1")

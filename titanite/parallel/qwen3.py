@@ -15,7 +15,7 @@ from titanite.parallel.checkpointing import apply_activation_checkpointing, appl
 from titanite.parallel.distributed import World
 from titanite.parallel.fsdp import fsdp_groups, shard_model, uses_fsdp
 from titanite.parallel.lora_tp import keep_frozen
-from titanite.parallel.tensor_parallel import apply_tensor_parallel_qwen3
+from titanite.parallel.tensor_parallel import apply_tensor_parallel_qwen3, replicate_unsplit
 
 
 def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
@@ -25,6 +25,9 @@ def parallelize_qwen3(handle: ModelHandle, world: World, cfg: Config) -> None:
     if dims is not None and dims.tp > 1:
         with keep_frozen(model):
             apply_tensor_parallel_qwen3(model, world.meshes["tp"])
+            if not uses_fsdp(world):  # FSDP would turn the MoE blocks' plain parameters into DTensors
+                replicate_unsplit([b.feed_forward for _, b in present(model.layers)
+                                   if hasattr(b.feed_forward, "experts")], world.meshes["tp"])
         # The fused head + loss op takes a whole [V, H] head; with a vocabulary-sharded head the
         # model returns sharded logits and the trainer's cross-entropy runs under loss_parallel.
         handle.vocab_parallel = True

@@ -33,7 +33,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanite.models.qwen3.hybrid import GatedDeltaNet
 from titanite.models.stage import present
+from titanite.parallel.hybrid_tp import apply_delta_tp
 from titanite.parallel.lora_tp import adapt_plan
 
 # A decoder block's modules by role: the native model's names (the transformers backend's are in hf.py).
@@ -90,13 +92,16 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
-def block_plan(names: dict[str, str], sequence_parallel: bool, sparse: bool) -> dict[str, ParallelStyle]:
+def block_plan(names: dict[str, str], sequence_parallel: bool, sparse: bool, delta: bool = False
+               ) -> dict[str, ParallelStyle]:
     """One decoder block's plan, keyed by the module names `names` gives each role.
 
     sequence_parallel: the residual stream between blocks is sharded over the sequence, so the
     norms run on S/tp tokens and the row-parallel outputs are reduce-scattered back to that
     shard; without it the stream is whole and the norms' weights are merely replicated.
-    sparse: an MoE block's MLP gets no entries: it runs unsplit on every tensor-parallel rank."""
+    sparse: an MoE block's MLP gets no entries: it runs unsplit on every tensor-parallel rank.
+    delta: the token mixer is a Gated DeltaNet (Qwen3.5 / Qwen3-Next), sharded by
+    hybrid_tp.apply_delta_tp instead: no q/k/v/o entries."""
     norm = SequenceParallel if sequence_parallel else ReplicateParallel
     row_out = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan = {
@@ -109,6 +114,8 @@ def block_plan(names: dict[str, str], sequence_parallel: bool, sparse: bool) -> 
         names["o"]: RowwiseParallel(**row_out),
         names["mlp_norm"]: norm(),
     }
+    if delta:
+        plan = {k: v for k, v in plan.items() if k in (names["attention_norm"], names["mlp_norm"])}
     if not sparse:
         plan.update({names["gate"]: ColwiseParallel(), names["up"]: ColwiseParallel(),
                      names["down"]: RowwiseParallel(**row_out)})
@@ -137,9 +144,43 @@ def apply_tensor_parallel_qwen3(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.norm.register_forward_hook(_replicate_output)
     for _, block in present(model.layers):
         sparse = hasattr(block.feed_forward, "experts")
-        plan = block_plan(NATIVE_NAMES, sequence_parallel=True, sparse=sparse)
+        delta = isinstance(block.attention, GatedDeltaNet)
+        plan = block_plan(NATIVE_NAMES, sequence_parallel=True, sparse=sparse, delta=delta)
         parallelize_module(block, tp_mesh, adapt_plan(plan, block))
+        if delta:
+            apply_delta_tp(block.attention, tp_mesh, RowwiseParallel(output_layouts=Shard(1)))
         block.attention.register_forward_pre_hook(_gather_sequence(tp_mesh))
         block.feed_forward.register_forward_pre_hook(_gather_sequence(tp_mesh))
         if sparse:
             block.feed_forward.register_forward_hook(_keep_sequence_slice(tp_mesh))
+
+
+def replicate_unsplit(modules: list[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Without FSDP (tensor parallelism alone), the parameters of the unsplit MoE blocks would stay
+    plain tensors beside the DTensors of the rest, which the optimizer's foreach/fused kernels
+    refuse to mix: make them replicated DTensors on the tensor-parallel mesh. Each module's
+    forward reads them as plain local tensors; their gradients are already complete and equal on
+    every rank (see the module docstring), so nothing is summed."""
+    for module in modules:
+        owners = []
+        for name, p in list(module.named_parameters()):
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            if not isinstance(p, DTensor):
+                owner.register_parameter(leaf, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Replicate()]),
+                                                            requires_grad=p.requires_grad))
+            owners.append((owner, leaf))
+        module.forward = _with_local_parameters(module.forward, owners)
+
+
+def _with_local_parameters(forward, owners: list[tuple[nn.Module, str]]):
+    def local_forward(*args, **kwargs):
+        for owner, leaf in owners:  # an instance attribute shadows the registered parameter
+            owner.__dict__[leaf] = getattr(owner, leaf).to_local()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for owner, leaf in owners:
+                del owner.__dict__[leaf]
+
+    return local_forward

@@ -191,6 +191,10 @@ def check_layout(dims: ParallelDims, handle: ModelHandle) -> None:
     if handle.args.is_hybrid and dims.pp > 1:
         raise UserError(f"config key 'parallelism.pp' = {dims.pp} is not available for this model yet: pipeline "
                         "stages are not cut over hybrid Gated DeltaNet / attention stacks yet; set parallelism.pp = 1")
+    if handle.args.is_hybrid and dims.tp > 1 and handle.lora is not None:
+        raise UserError(f"config key 'parallelism.tp' = {dims.tp} with [lora] is not available for "
+                        f"{handle.args.model_type} yet: its Gated DeltaNet projections are cut by head blocks "
+                        "(titanite/parallel/hybrid_tp.py), which the LoRA adapters are not; set parallelism.tp = 1")
     if dims.ep > 1 and not handle.supports_expert_parallel:
         raise UserError(f"config key 'parallelism.ep' = {dims.ep} is not available with model.spec = "
                         f"'{handle.backend}' (it cannot shard its experts yet); use model.spec = 'qwen3' or set "
