@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from titanite.models.qwen3.args import Qwen3Args
 from titanite.models.stage import Part
 from titanite.parallel.mesh import ParallelDims
+from titanite.plan import hybrid
 
 GiB = 2**30
 
@@ -45,13 +46,21 @@ class Tensor:
 
 
 def layer_tensors(a: Qwen3Args, i: int, tp: int, ep: int) -> list[Tensor]:
+    """Block i's parameters: its norms, its token mixer (Qwen3 or gated attention, or Gated
+    DeltaNet: titanite/plan/hybrid.py), its MLP (dense, or the router, the experts and a shared
+    expert)."""
     H, D = a.hidden_size, a.head_dim
-    out = [Tensor(H, 1), Tensor(H, 1), Tensor(D, 1), Tensor(D, 1),  # norms (replicated over tp)
-           Tensor(a.num_heads * D // tp, H), Tensor(a.num_kv_heads * D // tp, H),
-           Tensor(a.num_kv_heads * D // tp, H), Tensor(H, a.num_heads * D // tp)]
+    out = [Tensor(H, 1), Tensor(H, 1)]  # norms (replicated over tp)
+    if a.layer_is_linear(i):
+        out += [Tensor(rows, n) for rows, n in hybrid.linear_shapes(a)]
+    else:
+        q = a.num_heads * D * (2 if a.attn_output_gate else 1)  # the output gate doubles q_proj
+        out += [Tensor(D, 1), Tensor(D, 1), Tensor(q // tp, H), Tensor(a.num_kv_heads * D // tp, H),
+                Tensor(a.num_kv_heads * D // tp, H), Tensor(H, a.num_heads * D // tp)]
     if a.layer_is_moe(i):
         E, Im = a.num_experts, a.moe_intermediate_size
         out += [Tensor(E, H), Tensor(E // ep, 2 * Im * H, expert=True), Tensor(E // ep, H * Im, expert=True)]
+        out += [Tensor(rows, n) for rows, n in hybrid.shared_expert_shapes(a)]
     else:
         I = a.intermediate_size
         out += [Tensor(I // tp, H), Tensor(I // tp, H), Tensor(H, I // tp)]
@@ -89,11 +98,13 @@ def fsdp_transient(d: ParallelDims, a: Qwen3Args, blocks: list[int], top: list[T
     return (root + 2 * max(blocks)) * gather_bytes + max(grads) * 4.0
 
 
-def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = True) -> float:
+def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = True, fp32: float = 1.0) -> float:
     """Values one block keeps for backward, per token of the local micro-batch (fp32 units:
     an int64 counts 2). Sequence-parallel parts (the residual stream and its norms) are /tp; the
     all-gathered norm output feeding attention and the MLP is whole; heads and MLP are /tp.
-    `sp`: whether the residual stream is sequence-parallel (native plan) or whole (hf plan)."""
+    `sp`: whether the residual stream is sequence-parallel (native plan) or whole (hf plan).
+    `fp32`: an fp32 value in units of the compute dtype (4 / its bytes), for the values a Gated
+    DeltaNet block keeps in fp32 whatever the compute dtype (titanite/plan/hybrid.py)."""
     H, D, Hq, Hk = a.hidden_size, a.head_dim, a.num_heads // tp, a.num_kv_heads // tp
     seq = 1 / tp if sp else 1.0  # this rank's share of the residual stream
     if a.layer_is_moe(i):
@@ -101,6 +112,8 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
         # router probs, ids and weights; permuted rows; gate/up, silu, product; un-permuted rows
         mlp_full = E + 9 * k + 1 + k * H + 4 * k * Im + k * H
         mlp_kept = E + 2 * k * Im + k * H  # matmul outputs (router logits, grouped GEMMs)
+        mlp_full += hybrid.shared_expert_elems(a, selective=False)
+        mlp_kept += hybrid.shared_expert_elems(a, selective=True)
     else:
         I = a.intermediate_size // tp
         mlp_full, mlp_kept = 4 * I, 2 * I + H
@@ -109,7 +122,9 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
     norms = 2 * (seq * (2 * H + 1) + H)
     # q, k, v projections; q/k norm rsqrt and normalised values; RoPE'd q and k; attention
     # output and log-sum-exp.
-    attention = 4 * Hq * D + 4 * Hk * D + 2 * Hq + Hk
+    attention = 4 * Hq * D + 4 * Hk * D + 2 * Hq + Hk + hybrid.gated_attention_extra(a, tp, selective=False)
+    if a.layer_is_linear(i):
+        attention = hybrid.linear_mixer_elems(a, fp32)
     if ac == "none":
         return norms + attention + mlp_full
     block_input = seq * H
@@ -118,7 +133,9 @@ def layer_activation_elems(a: Qwen3Args, i: int, tp: int, ac: str, sp: bool = Tr
     assert ac == "selective", ac
     # Matmul and attention outputs: q, k, v, attention (+ lse), o projection (whole sequence:
     # it is kept before the reduce-scatter); the MLP's.
-    return block_input + 2 * Hq * D + 2 * Hk * D + Hq + H + mlp_kept
+    if a.layer_is_linear(i):
+        return block_input + hybrid.linear_mixer_kept(a, fp32) + mlp_kept
+    return block_input + 2 * Hq * D + 2 * Hk * D + Hq + H + hybrid.gated_attention_extra(a, tp, True) + mlp_kept
 
 
 def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: bool, value_bytes: int,
@@ -134,7 +151,7 @@ def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: 
     share instead of the whole model's (its blocks; the input ids if it is the first, the final
     norm and the loss if it is the last, else its output, which the stage keeps for its backward)."""
     def block(i: int, mode: str) -> float:
-        return layer_activation_elems(a, i, tp, mode, sp) + (extra(i, mode) if extra else 0.0)
+        return layer_activation_elems(a, i, tp, mode, sp, 4 / value_bytes) + (extra(i, mode) if extra else 0.0)
 
     part = part or Part(range(a.num_layers), True, True)
     H = a.hidden_size
@@ -143,7 +160,7 @@ def activation_bytes(a: Qwen3Args, tokens: int, tp: int, ac: str, keeps_logits: 
     recompute = 0.0
     if ac != "none":
         recompute = max(block(i, "none") for i in part.layers)
-    per_token += 2 * a.head_dim + (2 if part.first else 0)  # RoPE cos/sin; input ids (int64)
+    per_token += 2 * a.rotary_dim + (2 if part.first else 0)  # RoPE cos/sin; input ids (int64)
     if not part.last:
         return (per_token + seq * H) * tokens * value_bytes, recompute * tokens * value_bytes
     # final norm (its input, rsqrt, normalised value) and its gathered output

@@ -8,6 +8,10 @@ On CPU the trainer hands freed memory back when several ranks share the host
 (titanite.device.set_host_memory_policy), so the resident set follows these counts; a single
 process keeps freed memory for speed, and its heap holds some fragmentation on top.
 
+Qwen3.5 / Qwen3-Next (hybrid) layers are counted by titanite/plan/hybrid.py: Gated DeltaNet
+blocks, gated attention, the shared expert; tensor parallelism and LoRA are not planned for them
+yet (refused), nor context and pipeline parallelism (preflight refuses both for hybrid models).
+
 A LoRA run (`[lora] enabled`) is counted by titanite/plan/lora.py: the frozen base in
 lora.base_dtype with no gradients or optimizer state, fp32 adapters with both, and the adapters'
 own activations and transients on top of the full fine-tune's; its peak is the same phases, with
@@ -33,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanite.core.config import Config, KernelsConfig
+from titanite.core.errors import UserError
 from titanite.device.choice import is_host, pick_device
 from titanite.models.flops import flops_per_token
 from titanite.models.handle import ActivationProfile
@@ -50,6 +55,7 @@ from titanite.plan.counts import (
     top_tensors,
     uses_fsdp,
 )
+from titanite.plan.hybrid import check_hybrid
 from titanite.plan.lora import LoraParams, lora_memory
 from titanite.plan.lora import flops_per_token as lora_flops
 from titanite.plan.phases import accumulation_steps, step_phases
@@ -117,6 +123,10 @@ def estimate(cfg: Config, world_size: int, args: Qwen3Args | None = None,
         layout = pipeline_layout.resolve(d.pp, p.pp_schedule, p.pp_microbatches, list(p.pp_split), args,
                                          cfg.data.seq_len, accumulation_steps(cfg, d), p.pp_stages_per_rank)
     args = args or handle.args
+    check_hybrid(args, d.tp)
+    if args.is_hybrid and cfg.lora.enabled:
+        raise UserError("the estimate does not count LoRA adapters on Qwen3.5 / Qwen3-Next (Gated DeltaNet) "
+                        "layers yet; estimate the full fine-tune (lora.enabled = false)")
     if profile is None:
         profile = handle.activation_profile(_planned_loss(cfg, handle, device_memory), d.tp)
     dpo = is_preference(cfg)
