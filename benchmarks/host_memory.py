@@ -3,7 +3,7 @@
 glibc returns every freed allocation above its mmap threshold to the OS, so a training step
 that allocates and frees the same large tensors faults (and the kernel zeroes) every page again
 each step. A single CPU process keeps freed memory; ranks that share a host return it
-(titanite.device.set_host_memory_policy); `TITANITE_KEEP_FREED_MEMORY=1` / `=0` force keep /
+(titanite.device.memory.set_host_memory_policy); `TITANITE_KEEP_FREED_MEMORY=1` / `=0` force keep /
 return, which this compares. Each setting runs in its own process:
 two native trainers at the demo's shapes (debug flavor, 4 x 256 tokens, 151,936 tied vocab),
 `loss = "reference"` and `"chunked"`, alternating one step each (one untimed, then --steps timed).

@@ -254,7 +254,7 @@ def imports_child(args: argparse.Namespace) -> dict:
         from trl import DPOConfig, DPOTrainer  # noqa: F401
 
         import tests.fixtures.preference  # noqa: F401
-        from titanite.device import set_host_memory_policy  # noqa: F401
+        from titanite.device.memory import set_host_memory_policy  # noqa: F401
     else:
         import titanite.core.config  # noqa: F401
         import titanite.plan  # noqa: F401

@@ -225,7 +225,7 @@ class HostStager(AsyncStager):
     and reused by every later one (so one host copy of this rank's state lives for the run),
     pinned when `pinned`; `stage` returns once the copy is complete. DCP's own DefaultStager
     pins only through CUDA (cudaHostRegister); torch's pinned allocator serves any accelerator
-    that has one, which is what titanite.device.has_pinned_memory probes."""
+    that has one, which is what titanite.device.memory.has_pinned_memory probes."""
 
     _synchronize_after_execute = False  # stage() itself waits for the copies
 

@@ -1,5 +1,5 @@
 """Named accelerators: memory and dense peak FLOP/s of one torch device, for MFU
-(titanite.device.peak_flops, by the name the device reports) and for planning runs on machines
+(titanite.device.peak.peak_flops, by the name the device reports) and for planning runs on machines
 that are not this one (`titanite estimate --device-name NAME`).
 
 Units, for every row:

@@ -66,7 +66,7 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
 
 def apply_compile(blocks: Iterable[nn.Module], device: torch.device) -> None:
     """torch.compile each block's forward (after checkpointing, so recomputation is compiled too),
-    with the backend the device supports (titanite.device.compile_backend)."""
+    with the backend the device supports (titanite.device.choice.compile_backend)."""
     backend = compile_backend(device)
     for block in blocks:
         block.forward = torch.compile(block.forward, fullgraph=False, backend=backend)

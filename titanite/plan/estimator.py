@@ -5,7 +5,7 @@ The parts are counted by titanite/plan/counts.py (parameters, gradients, optimiz
 activations, transients). They are not all alive at once: the peak is the largest of four
 moments of a step, counted by titanite/plan/phases.py (`Estimate.phases`).
 On CPU the trainer hands freed memory back when several ranks share the host
-(titanite.device.set_host_memory_policy), so the resident set follows these counts; a single
+(titanite.device.memory.set_host_memory_policy), so the resident set follows these counts; a single
 process keeps freed memory for speed, and its heap holds some fragmentation on top.
 
 Qwen3.5 / Qwen3-Next (hybrid) layers are counted by titanite/plan/hybrid.py: Gated DeltaNet
