@@ -6,7 +6,8 @@
 #   2. `titanite kernels bench` on all ops, bfloat16, Qwen3-sized shapes (MoE: 30B-A3B), with the
 #      peak memory of one forward + backward (the chunked loss's saving shows there);
 #   3. the chunked loss's peak memory at 8192 tokens x hidden 4096 x vocab 151936.
-# Results go to $OUT (default outputs/gpu_check): verify.txt/json, bench.txt/json, loss_memory.txt,
+#   Also fla-core's gated_delta (pip install fla-core first to check it; skipped without it).
+# Results go to $OUT (default outputs/gpu_check): verify.txt/json, verify_fla.txt/json, bench.txt/json, loss_memory.txt,
 # env.txt. Exit status: non-zero when a verify case fails (the rest still runs).
 #
 #   bash benchmarks/gpu_check.sh               # from the repository root
@@ -33,6 +34,14 @@ timeout 240 "$PY" -m titanite.cli kernels verify --device cuda --dtype bfloat16 
   --json "$OUT/verify.json" > "$OUT/verify.txt" 2>&1 || status=$?
 tail -n 60 "$OUT/verify.txt"
 echo "verify: exit $status, $((SECONDS - start)) s"
+
+# fla-core's gated delta rule (optional; verify skips it, saying so, when fla-core is missing):
+# the reference semantics through its varlen path (cu_seqlens) for packed documents.
+start=$SECONDS
+timeout 120 "$PY" -m titanite.cli kernels verify gated_delta --impl fla --device cuda --dtype bfloat16 float32 \
+  --json "$OUT/verify_fla.json" > "$OUT/verify_fla.txt" 2>&1 || status=$?
+cat "$OUT/verify_fla.txt"
+echo "verify fla: exit $status, $((SECONDS - start)) s"
 
 start=$SECONDS
 timeout 180 "$PY" -m titanite.cli kernels bench --device cuda --dtype bfloat16 --min-seconds 0.3 \

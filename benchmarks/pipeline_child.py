@@ -37,7 +37,6 @@ def rank(argv: list[str]) -> None:
         return
     record = Path(os.environ[RECORD_ENV])
     me = int(os.environ.get("RANK", "0"))
-    import torch
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     import titanite.run.trainer

@@ -20,7 +20,7 @@ from titanite import kernels  # noqa: E402
 from titanite.kernels.verify import verify  # noqa: E402
 
 BUILTIN = {("attention", "sdpa"), ("moe.dispatch", "gather"), ("rms_norm", "triton"), ("swiglu", "triton"), ("moe.experts", "grouped_mm"),
-           ("moe.experts", "triton"), ("loss", "chunked")}
+           ("moe.experts", "triton"), ("loss", "chunked"), ("gated_delta", "triton")}
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_verify_passes_for_every_builtin_kernel(tmp_path):
     passed = {(r["op"], r["impl"], r["dtype"]) for r in rows if r["status"] == "pass"}
     for op, impl in BUILTIN:
         assert (op, impl, "float32") in passed, (op, impl)
-    for op in ("rms_norm", "swiglu", "moe.experts"):
+    for op in ("rms_norm", "swiglu", "moe.experts", "gated_delta"):
         assert (op, "triton", "float16") in passed
     # Every awkward case ran for the grouped-GEMM kernel: one token, empty expert groups.
     cases = {r["case"] for r in rows if (r["op"], r["impl"], r["status"]) == ("moe.experts", "triton", "pass")}
@@ -43,7 +43,23 @@ def test_verify_passes_for_every_builtin_kernel(tmp_path):
     skipped = {(r["op"], r["impl"], r["dtype"]): r["note"] for r in rows if r["status"] == "skip"}
     assert "tl.dot on bfloat16" in skipped["moe.experts", "triton", "bfloat16"]
     assert "runs on cuda" in skipped["attention", "flex", "float32"]
+    assert "runs on cuda" in skipped["gated_delta", "fla", "float32"]
     assert "0 failed" in proc.stdout and "| pass" in proc.stdout
+
+
+def test_verify_passes_for_the_chunked_gated_delta_kernel():
+    """The Triton gated delta rule (chunked forward and backward) in the interpreter: one token,
+    grouped value heads with an initial state, packed documents within one chunk and across three
+    chunks (a document starting on a chunk boundary)."""
+    rows = verify(["gated_delta"], "triton", "cpu", [torch.float32])
+    assert len(rows) == 4 and all(r.status == "pass" for r in rows), [(r.case, r.status, r.note) for r in rows]
+    assert {r.case for r in rows} >= {"packed docs 10+1+26", "S=150, packed docs 70+1+57+22 / 5+145, initial state"}
+
+
+def test_fla_gated_delta_says_why_it_cannot_run_here():
+    fla = kernels.implementations("gated_delta")["fla"]
+    assert "runs on cuda" in fla.unavailable("cpu", torch.float32)
+    assert "0 active drivers" in fla.requires("cpu", torch.float32)
 
 
 class _WrongBackward(torch.autograd.Function):
@@ -95,6 +111,9 @@ def test_custom_ops_have_fake_and_autograd_registrations():
         torch.ops.titanite.swiglu_triton.default: (r(3, 37), r(3, 37)),
         torch.ops.titanite.moe_experts_triton.default: (r(9, 16), offsets, r(4, 40, 16) * 0.2, r(4, 16, 20) * 0.2, True),
         torch.ops.titanite.linear_cross_entropy_chunked.default: (r(9, 16), r(50, 16), torch.randint(0, 50, (9,)), -100, 4),
+        torch.ops.titanite.gated_delta_triton.default: (
+            F.normalize(r(1, 5, 1, 16), dim=-1), F.normalize(r(1, 5, 1, 16), dim=-1), r(1, 5, 2, 16), -torch.rand(1, 5, 2),
+            torch.rand(1, 5, 2), 0.25, r(1, 2, 16, 16), torch.tensor([[0, 0, 1, 0, 0]], dtype=torch.int32)),
     }
     for op, args in samples.items():
         args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -117,7 +136,7 @@ _COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from titanite.kernels.triton import grouped_gemm as G, norm_act as N
+from titanite.kernels.triton import gated_delta as D, grouped_gemm as G, norm_act as N
 target = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 def build(fn, sig, const):
@@ -142,6 +161,20 @@ for dt in ("fp32", "bf16"):
     for from_gu in (True, False):
         build(G._grouped_wgrad, {"DY": p, "X": p, "OFFS": "*i32", "DW": p, "N": i32, "K": i32},
               {"PREC": prec, "X_FROM_GU": from_gu, **tiles})
+
+# The gated delta rule at Qwen3.5's head dims (128), bf16 in, the tiles the launcher picks there;
+# the backward's shared memory must fit sm_90's 227 KiB.
+p, i32 = "*bf16", "i32"
+blocks = {"BT": 64, "BK": 128, "BV": 16, "PREC": "tf32x3"}
+seq = {"Q": p, "K": p, "V": p, "G": "*fp32", "BETA": p, "RESET": "*i32"}
+dims = {"S": i32, "Hk": i32, "Hv": i32, "Dk": i32, "Dv": i32, "scale": "fp32", "NT": i32}
+for write_o, store in ((True, False), (False, True)):
+    build(D._fwd, {**seq, "H0": "*fp32", "O": p, "HT": "*fp32", "STATES": "*fp32", **dims},
+          {"WRITE_O": write_o, "STORE_STATES": store, **blocks})
+sig = {**seq, "STATES": "*fp32", "DO": p, "DHT": "*fp32", **{n: "*fp32" for n in ("DQ", "DK", "DV", "DG", "DBETA", "DH0")}}
+sig = {**sig, **dims, **{k: "constexpr" for k in blocks}}
+bwd = triton.compile(ASTSource(fn=D._bwd, signature=sig, constexprs=blocks), target=target)
+assert bwd.metadata.shared <= 227 * 1024, bwd.metadata.shared
 print("compiled")
 """
 
@@ -157,3 +190,30 @@ def test_triton_kernels_compile_for_a_gpu():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_gated_delta_kernel_split_into_value_blocks(monkeypatch):
+    """Compiled, the kernels cut the value dim into blocks, one program each, and sum the blocks'
+    shares of dq, dk, dg, dbeta; the interpreter takes all columns at once unless told: here
+    Dv = 40 in blocks of 16 (the last one partial), two chunks, a restart, grouped value heads."""
+    from titanite.kernels.reference_delta import gated_delta
+    from titanite.kernels.triton import gated_delta as kernels_gd
+    from titanite.kernels.triton.delta_ops import reset_flags
+
+    blocks = kernels_gd._blocks
+    monkeypatch.setattr(kernels_gd, "_blocks", lambda Dk, Dv: {**blocks(Dk, Dv), "BV": 16})
+    g = torch.Generator().manual_seed(3)
+    B, S, Hk, Hv, Dk, Dv = 1, 70, 1, 2, 16, 40
+    q, k = (F.normalize(torch.randn(B, S, Hk, Dk, generator=g), dim=-1) for _ in range(2))
+    v, decay, beta = torch.randn(B, S, Hv, Dv, generator=g), -torch.rand(B, S, Hv, generator=g), torch.rand(B, S, Hv, generator=g)
+    h0 = torch.randn(B, Hv, Dk, Dv, generator=g)
+    docs = (torch.arange(S) >= 50).long()[None]
+    reset = reset_flags(docs, B, S, v.device)
+    o, ht, _ = kernels_gd.forward(q, k, v, decay, beta, 0.25, h0, reset)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, decay, beta, h0)]
+    ro, rht = gated_delta(*leaves[:5], 0.25, leaves[5], docs)
+    do, dht = torch.randn(ro.shape, generator=g), torch.randn(rht.shape, generator=g)
+    want = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), leaves)
+    got = kernels_gd.backward(do, dht, q, k, v, decay, beta, 0.25, h0, reset)
+    for a, b in zip((o, ht, *got), (ro, rht, *want), strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-5

@@ -18,12 +18,13 @@ from __future__ import annotations
 # package runs this file first, so every path to the registry sees them. Modules inside the
 # package import the module that holds a name (`titanite.kernels.registry`), never this file, so
 # importing them here makes no circle.
-from titanite.kernels import chunked_loss, torch_impls  # noqa: F401
+from titanite.kernels import chunked_loss, fla_impls, torch_impls  # noqa: F401
 from titanite.kernels.attach import DEFAULTS, Kernel, attach, iter_kernels
 from titanite.kernels.head_loss import head_loss, loss_per_row
 from titanite.kernels.plugins import load_plugins
 from titanite.kernels.reference_ops import IGNORE_INDEX, block_causal_mask
 from titanite.kernels.registry import OPS, REFERENCE, Impl, implementations, reference, register
+from titanite.kernels.triton import delta_ops as triton_delta_ops  # noqa: F401
 from titanite.kernels.triton import ops as triton_ops  # noqa: F401
 
 __all__ = ["DEFAULTS", "IGNORE_INDEX", "OPS", "REFERENCE", "Impl", "Kernel", "attach", "block_causal_mask",

@@ -146,9 +146,14 @@ def _delta_cases(op: str, r, g: torch.Generator, dtype: torch.dtype, device) -> 
             beta = torch.rand(B, S, Hv, generator=g).to(device, dtype)
             return q, k, r(B, S, Hv, 12), decay, beta, 0.25
         state = _rand((2, 4, 16, 12), torch.float32, device, 0.5, g)
+        # Three chunks of 64: documents across chunk boundaries, one ending on one, and a second
+        # row laid out otherwise; the first documents start from the initial state.
+        long_docs = torch.cat([_documents([70, 1, 57, 22], 1, device), _documents([5, 145], 1, device)])
         return [Case("one token", inputs(1, 1, 2, 2), (0, 1, 2, 3, 4)),
                 Case("S=37 value heads 4:2, initial state", (*inputs(2, 37, 2, 4), state), (0, 1, 2, 3, 4, 6)),
-                Case("packed docs 10+1+26", (*inputs(2, 37, 2, 4), None, docs), (0, 1, 2, 3, 4))]
+                Case("packed docs 10+1+26", (*inputs(2, 37, 2, 4), None, docs), (0, 1, 2, 3, 4)),
+                Case("S=150, packed docs 70+1+57+22 / 5+145, initial state",
+                     (*inputs(2, 150, 2, 4), state.clone(), long_docs), (0, 1, 2, 3, 4, 6))]
     if op == "short_conv":
         return [Case("one token", (r(1, 1, 40), r(40, 4, scale=0.5)), (0, 1)),
                 Case("S=37 C=100", (r(2, 37, 100), r(100, 4, scale=0.5)), (0, 1)),
