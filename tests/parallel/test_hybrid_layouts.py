@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import read_metrics
 from tests.fixtures.hybrid import make_hybrid_checkpoint
 from tests.parallel.test_distributed import args_for, assert_same_export, single_process, torchrun
+from tests.parallel.test_distributed import data  # noqa: F401 (the shared corpus fixture)
 
 STEPS = 4
 LOSS_REL, GRAD_REL = 1e-5, 1e-4
@@ -39,17 +40,6 @@ LAYOUTS = {
     "moe_hf_ep": ("moe", 2, {"model.spec": "hf", "parallelism.ep": 2}),
 }
 FAST = {"dense_fsdp", "dense_tp", "moe_ep", "moe_hf_tp"}  # one of each piece and backend; the rest slow
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    import json
-
-    from tests.conftest import corpus_texts
-
-    path = tmp_path_factory.mktemp("data") / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
-    return path
 
 
 @pytest.fixture(scope="module")
