@@ -182,3 +182,17 @@ def test_bad_input_is_one_message_and_exit_2(bench, tmp_path, capsys):
         with pytest.raises(UserError, match=f"eval\\.(tasks|include_path): .*{message}"):
             preflight(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_titanite_eval_of_a_qwen3_next_folder_equals_lm_evals_hf_model(bench, tiny_tokenizer_dir):
+    """A hybrid model (Gated DeltaNet layers with their cache in generation): the same scores as
+    lm-eval's own transformers model, generation tasks included."""
+    from tests.fixtures.hybrid import make_hybrid_checkpoint
+
+    folder = make_hybrid_checkpoint(bench["root"] / "next", "qwen3_next", max_position_embeddings=MAX_POSITIONS)
+    for f in tiny_tokenizer_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    out = bench["root"] / "next-scores.json"
+    run_cli("eval", "--model", str(folder), "--tasks", ",".join(TASKS), "--include-path", str(bench["tasks"]),
+            "--output", str(out), check=True)
+    assert_same_scores(json.loads(out.read_text())["scores"], lm_eval_hf(folder, TASKS, bench["tasks"]))
