@@ -65,9 +65,11 @@ def checkpoint(request, folders):
     return request.param, folders(request.param)
 
 
-def test_logits_match_transformers(checkpoint):
+@pytest.mark.parametrize("spec", ["qwen3", "hf"])
+def test_logits_match_transformers(checkpoint, spec):
+    """Both specs load every family's folder (a multimodal one as its text model)."""
     family, folder = checkpoint
-    ours, ref = titanite.load_pretrained(folder, spec="qwen3"), oracle(folder, family)
+    ours, ref = titanite.load_pretrained(folder, spec=spec), oracle(folder, family)
     x = token_ids()
     with torch.no_grad():
         ours_logits, ref_logits = ours(x), ref(input_ids=x).logits
