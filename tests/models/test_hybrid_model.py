@@ -37,7 +37,7 @@ def test_random_init_follows_transformers_rules(flavor):
             assert ((t.exp() >= 0.01 - 1e-6) & (t.exp() <= 16 + 1e-4)).all() and t.std() > 0, key
         else:
             assert 0.015 < t.std() < 0.025, key
-    assert not handle.supports_generation  # no recurrent-state cache for decoding yet
+    assert handle.supports_generation  # the cache holds the conv windows and recurrent states (test_hybrid_generate)
     assert handle.supports_document_masks
 
 
